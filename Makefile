@@ -1,0 +1,28 @@
+# The two set-up commands of a fresh machine: `make test` and `make demo`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): setup.py setup.cfg
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+demo: $(STAMP)
+	$(PY) -m moe_autograd demo
+
+bench: $(STAMP)
+	$(PY) -m moe_autograd bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,408 @@
+"""Isolated forward/backward, and the one autograd node that runs many calls.
+
+PyTorch's engine runs the CPU backward of one ``backward()`` on the calling
+thread, node after node. To overlap many expert calls in backward, this module
+hides every call's own graph behind ONE node, ``_ParallelNode``: its forward
+returns the outputs that the calls already computed on workers, and its
+backward hands each call's output gradients to a worker and joins them::
+
+    inputs ──┬─ call 0 (own graph, run on a worker) ─┐
+             ├─ call 1 ─────────────────────────────┤──> _ParallelNode ──> outputs
+             └─ call n-1 ───────────────────────────┘
+    backward: _ParallelNode.backward ─ fan out ─> call i.backward(grads_i) ─ join
+
+A *call record* (:class:`IsolatedCall`) is what the node needs of a call: its
+tensor inputs and outputs, and a ``backward`` that runs on a worker. Autograd
+Functions (:func:`map_with_parallel_backward`) and modules
+(:func:`moe_autograd.parallel.parallel_apply`) supply their own records.
+
+Invariants:
+
+* The node's outputs are new tensor objects (detached views), so no call's own
+  graph is ever rewired by the outer engine.
+* Every call is joined before the node's backward returns or raises: a failing
+  call never leaves another one running on half-freed state.
+* Call records live until the engine releases the node (after a backward
+  without ``retain_graph``, or when the outputs die), never longer.
+"""
+import threading
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
+
+import torch
+from torch import Tensor
+from torch.autograd.function import _is_setup_context_defined  # type: ignore[attr-defined]
+
+from .executor import get_pool, run_all
+from .phony import get_phony
+from .tls import CallerState
+
+__all__ = [
+    "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
+    "map_with_parallel_backward", "IsolatedCall", "BackwardPolicy", "attach",
+]
+
+Grads = List[Optional[Tensor]]
+
+
+class EmulatedAutogradContext:
+    """Stands in for the ``ctx`` that autograd passes to a Function, so that the
+    Function's ``forward``/``backward`` can run outside the autograd graph."""
+
+    def __init__(self, needs_input_grad: Tuple[bool, ...] = ()) -> None:
+        self.needs_input_grad = needs_input_grad
+        self.materialize_grads = True
+        self.to_save: Tuple[Optional[Tensor], ...] = ()
+        self.non_differentiable: Tuple[Tensor, ...] = ()
+        self.dirty_tensors: Tuple[Tensor, ...] = ()
+
+    def save_for_backward(self, *tensors: Optional[Tensor]) -> None:
+        self.to_save = tensors
+
+    def save_for_forward(self, *tensors: Optional[Tensor]) -> None:
+        self.saved_for_forward = tensors
+
+    @property
+    def saved_tensors(self) -> Tuple[Optional[Tensor], ...]:
+        return tuple(self.to_save)
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        self.non_differentiable = self.non_differentiable + tensors
+
+    def mark_dirty(self, *tensors: Tensor) -> None:
+        self.dirty_tensors = self.dirty_tensors + tensors
+
+    def set_materialize_grads(self, value: bool) -> None:
+        self.materialize_grads = value
+
+
+FunctionType = Type[torch.autograd.Function]
+
+
+def _detach_args(args: Sequence[Any]) -> Tuple[Any, ...]:
+    return tuple(
+        a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in args
+    )
+
+
+def run_isolated_forward(func: FunctionType, *args: Any) -> Tuple[EmulatedAutogradContext, Any]:
+    """Runs ``func.forward`` under no_grad on detached copies of the tensor
+    arguments (``requires_grad`` preserved); returns ``(ctx, outputs)``."""
+    ctx = EmulatedAutogradContext(
+        tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+    )
+    detached = _detach_args(args)
+    with torch.no_grad():
+        if _is_setup_context_defined(func.setup_context):
+            outputs = func.forward(*detached)
+            func.setup_context(ctx, detached, outputs)
+        else:
+            outputs = func.forward(ctx, *detached)
+    ctx._inputs = detached  # type: ignore[attr-defined]
+    return ctx, outputs
+
+
+def run_isolated_backward(
+    func: FunctionType, ctx: EmulatedAutogradContext, *grad_outputs: Optional[Tensor]
+) -> Tuple[Optional[Tensor], ...]:
+    """Runs ``func.backward(ctx, *grad_outputs)`` under no_grad; always returns a
+    tuple of gradients."""
+    with torch.no_grad():
+        grads = func.backward(ctx, *grad_outputs)
+    return grads if isinstance(grads, tuple) else (grads,)
+
+
+class IsolatedCall:
+    """What :func:`attach` needs of one call. Subclasses fill ``inputs`` (the
+    caller's tensors that may need gradients), ``outputs`` (tensors computed on
+    a worker) and implement :meth:`backward`."""
+
+    inputs: List[Tensor]
+    outputs: List[Tensor]
+    #: Output tensors (as objects in ``outputs``) autograd must not differentiate.
+    non_differentiable: Sequence[Tensor] = ()
+    #: Maps an output position to the input position it modified in place.
+    dirty: Sequence[Tuple[int, int]] = ()
+    #: When False, ``None`` output gradients are passed on as None.
+    materialize_grads = True
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether backward must reach this call (its inputs or parameters)."""
+        return any(t.requires_grad for t in self.inputs)
+
+    def backward(self, grad_outputs: Grads) -> Grads:
+        """Runs on a worker: one gradient per entry of ``inputs``."""
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        """Makes side effects of an accepted backward visible (e.g. parameter
+        gradients held back under a tolerant :class:`BackwardPolicy`)."""
+
+    def release(self) -> None:
+        """Frees what the call kept for backward."""
+
+
+class BackwardPolicy:
+    """How the node treats calls that fail in backward.
+
+    The default raises the first failure, after joining every call. With
+    ``tolerate_failures`` a call that raises or misses ``timeout`` is treated
+    as a constant (no gradient into its inputs or, if it holds them back until
+    :meth:`IsolatedCall.commit`, its parameters); ``check`` then sees which
+    calls succeeded and may raise.
+    """
+
+    def __init__(
+        self,
+        timeout: Optional[float] = None,
+        tolerate_failures: bool = False,
+        check: Optional[Callable[[List[bool]], None]] = None,
+    ) -> None:
+        self.timeout = timeout
+        self.tolerate_failures = tolerate_failures
+        self.check = check
+
+
+class _Plan:
+    """What the node keeps between forward and backward."""
+
+    def __init__(self, calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy],
+                 name: str) -> None:
+        self.calls: Optional[Sequence[IsolatedCall]] = calls
+        self.policy = policy
+        self.name = name
+        self.lock = threading.Lock()
+        # Output metadata, to materialize zero gradients without keeping outputs.
+        self.output_meta = [
+            [(o.shape, o.dtype, o.device) for o in call.outputs] for call in calls
+        ]
+
+    def release(self) -> None:
+        with self.lock:
+            calls, self.calls = self.calls, None
+        for call in calls or ():
+            call.release()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _ParallelNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, phony: Tensor, *inputs: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        outputs: List[Tensor] = []
+        non_differentiable: List[Tensor] = []
+        dirty: List[Tensor] = []
+        offset = 0
+        assert plan.calls is not None
+        for call in plan.calls:
+            dirty_at = dict(call.dirty)
+            nondiff = {id(t) for t in call.non_differentiable}
+            for k, out in enumerate(call.outputs):
+                if k in dirty_at:
+                    result = inputs[offset + dirty_at[k]]
+                    dirty.append(result)
+                else:
+                    result = out.detach()
+                if id(out) in nondiff:
+                    non_differentiable.append(result)
+                outputs.append(result)
+            offset += len(call.inputs)
+        if dirty:
+            ctx.mark_dirty(*dirty)
+        if non_differentiable:
+            ctx.mark_non_differentiable(*non_differentiable)
+        # Release the calls when the engine frees this node's saved state: a
+        # backward without retain_graph, or the node's death. The token is only
+        # referenced by the saved state (identity hooks keep it from being copied).
+        token = torch.empty(0)
+        weakref.finalize(token, plan.release)
+        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+            ctx.save_for_backward(token)
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        plan: _Plan = ctx.plan
+        calls = plan.calls
+        if calls is None:
+            raise RuntimeError(f"{plan.name}: the calls' graphs were already freed; "
+                               "pass retain_graph=True to backward twice")
+        per_call: List[Grads] = []
+        offset = 0
+        for call, meta in zip(calls, plan.output_meta):
+            grads = list(grad_outputs[offset:offset + len(meta)])
+            offset += len(meta)
+            if call.materialize_grads:
+                for k, (shape, dtype, device) in enumerate(meta):
+                    if grads[k] is None and (dtype.is_floating_point or dtype.is_complex):
+                        grads[k] = torch.zeros(shape, dtype=dtype, device=device)
+            per_call.append(grads)
+        input_grads = _run_backwards(plan, calls, per_call)
+        return (None, None, *[g for grads in input_grads for g in grads])
+
+
+def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
+    n = len(call.inputs)
+    if len(grads) != n:
+        raise RuntimeError(f"{plan.name}: call {i} returned {len(grads)} gradients "
+                           f"for {n} tensor inputs")
+    for k, (grad, inp) in enumerate(zip(grads, call.inputs)):
+        if grad is not None and grad.shape != inp.shape:
+            try:
+                grads[k] = grad.sum_to_size(inp.shape)
+            except RuntimeError:
+                raise RuntimeError(
+                    f"{plan.name}: call {i} returned a gradient of shape {list(grad.shape)} "
+                    f"for input {k} of shape {list(inp.shape)}") from None
+    return grads
+
+
+def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
+    state = CallerState()
+
+    def task(i: int) -> Callable[[], Grads]:
+        def run() -> Grads:
+            with state.applied():
+                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+        return run
+
+    policy = plan.policy
+    fns = [task(i) for i in range(len(calls))]
+    if policy is None or not (policy.tolerate_failures or policy.timeout is not None):
+        results = run_all(fns, f"{plan.name} backward: call")
+        for call in calls:
+            call.commit()
+        return results
+    group = get_pool().submit(fns)
+    # Under a deadline the caller never runs a call itself: it could not leave
+    # a straggler before the deadline.
+    if not group.wait(policy.timeout, help=policy.timeout is None):
+        group.cancel()
+    ok = [group.succeeded(i) for i in range(len(calls))]
+    if not policy.tolerate_failures and not all(ok):
+        if any(e is not None for e in group.errors):
+            group.raise_first_error(f"{plan.name} backward: call")
+        late = ok.index(False)
+        raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
+                           f"missed the {policy.timeout}s deadline")
+    if policy.check is not None:
+        policy.check(ok)
+    results: List[Grads] = []
+    for i, call in enumerate(calls):
+        if ok[i]:
+            call.commit()
+            results.append(group.results[i])  # type: ignore[arg-type]
+        else:
+            results.append([None] * len(call.inputs))
+    return results
+
+
+def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
+           name: str = "parallel call",
+           phony_device: Optional[torch.device] = None) -> List[List[Tensor]]:
+    """Hangs the calls' outputs off one ``_ParallelNode``; returns each call's
+    outputs as tensors of the caller's graph.
+
+    Without grad mode, or when no call needs a gradient, the outputs are
+    returned as they are. A phony input that requires grad keeps the node in
+    the graph when only parameters (not inputs) need gradients.
+    """
+    if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
+        for call in calls:
+            call.release()
+        return [list(call.outputs) for call in calls]
+    plan = _Plan(calls, policy, name)
+    phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
+    flat_inputs = [t for call in calls for t in call.inputs]
+    flat = _ParallelNode.apply(plan, phony, *flat_inputs)
+    result: List[List[Tensor]] = []
+    offset = 0
+    for meta in plan.output_meta:
+        result.append(list(flat[offset:offset + len(meta)]))
+        offset += len(meta)
+    return result
+
+
+class _FunctionCall(IsolatedCall):
+    """One call of an autograd Function, run through the emulated context."""
+
+    def __init__(self, func: FunctionType, args: Sequence[Any], index: int, count: int) -> None:
+        self.func = func
+        self.index, self.count = index, count
+        self.tensor_positions = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
+        self.inputs = [args[k] for k in self.tensor_positions]
+        self.num_args = len(args)
+        ctx, outputs = run_isolated_forward(func, *args)
+        self.single = isinstance(outputs, Tensor)
+        self.results: Tuple[Any, ...] = (outputs,) if self.single else tuple(outputs)
+        self.output_positions = [k for k, o in enumerate(self.results) if isinstance(o, Tensor)]
+        self.outputs = [self.results[k] for k in self.output_positions]
+        self.ctx: Optional[EmulatedAutogradContext] = ctx
+        self.materialize_grads = ctx.materialize_grads
+        self.non_differentiable = ctx.non_differentiable
+        detached = ctx._inputs  # type: ignore[attr-defined]
+        position_of = {id(detached[k]): n for n, k in enumerate(self.tensor_positions)}
+        out_ids = {id(o): n for n, o in enumerate(self.outputs)}
+        self.dirty = [(out_ids[id(t)], position_of[id(t)]) for t in ctx.dirty_tensors
+                      if id(t) in out_ids and id(t) in position_of]
+
+    def _name(self) -> str:
+        return f"{self.func.__name__} (call {self.index} of {self.count})"
+
+    def backward(self, grad_outputs: Grads) -> Grads:
+        if self.ctx is None:
+            raise RuntimeError(f"{self._name()}: backward after its state was freed")
+        grads_by_output: List[Optional[Tensor]] = [None] * len(self.results)
+        for k, g in zip(self.output_positions, grad_outputs):
+            grads_by_output[k] = g
+        grads = run_isolated_backward(self.func, self.ctx, *grads_by_output)
+        if len(grads) < self.num_args or any(g is not None for g in grads[self.num_args:]):
+            raise RuntimeError(
+                f"function {self.func.__name__}.backward returned an incorrect number of "
+                f"gradients (expected {self.num_args}, got {len(grads)}) in {self._name()}")
+        tensor_positions = set(self.tensor_positions)
+        for k in range(self.num_args):
+            if k not in tensor_positions and grads[k] is not None:
+                raise RuntimeError(
+                    f"function {self.func.__name__}.backward returned a gradient different "
+                    f"from None at position {k}, but the input is not a tensor, in {self._name()}")
+        return [grads[k] for k in self.tensor_positions]
+
+    def release(self) -> None:
+        self.ctx = None
+
+
+def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
+                               ) -> Tuple[Tuple[Any, ...], ...]:
+    """Calls ``func.apply(*args)`` once per element of ``args_per_call``, with
+    every forward, and later every backward, running concurrently on workers.
+
+    Returns one tuple of outputs per call (a tuple even when ``forward``
+    returns one tensor). Outputs and gradients equal separate ``apply`` calls.
+    """
+    if not (isinstance(func, type) and issubclass(func, torch.autograd.Function)):
+        raise TypeError(f"func must be a torch.autograd.Function subclass, got {func!r}")
+    n = len(args_per_call)
+    state = CallerState()
+
+    def task(i: int) -> Callable[[], _FunctionCall]:
+        def run() -> _FunctionCall:
+            with state.applied():
+                return _FunctionCall(func, tuple(args_per_call[i]), i, n)
+        return run
+
+    calls = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
+    attached = attach(calls, name=func.__name__)
+    results = []
+    for call, outs in zip(calls, attached):
+        values = list(call.results)
+        for k, o in zip(call.output_positions, outs):
+            values[k] = o
+        results.append(tuple(values))
+    return tuple(results)

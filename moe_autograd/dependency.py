@@ -1,0 +1,56 @@
+"""Arbitrary ordering edges in the autograd graph.
+
+``fork(x)`` returns ``x`` unchanged and a phony that depends on it; ``join(x,
+phony)`` returns ``x`` unchanged but now depending on the phony. In backward the
+engine therefore runs whatever hangs off the phony before the gradient of ``x``
+passes the fork. Checkpointing uses this to run a :class:`~moe_autograd.
+checkpoint.Recompute` node ahead of its :class:`~moe_autograd.checkpoint.
+Checkpoint`; skip portals use it to tie hidden tensors to a batch.
+
+Neither function copies data: the returned tensors are views of ``x``.
+"""
+from typing import Any, Tuple
+
+import torch
+from torch import Tensor
+
+from .phony import get_phony
+
+__all__ = ["fork", "join"]
+
+
+def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
+    """Branches ``input`` into itself and a phony that depends on it."""
+    if torch.is_grad_enabled() and input.requires_grad:
+        input, phony = _Fork.apply(input)
+    else:
+        phony = get_phony(input.device, requires_grad=False)
+    return input, phony
+
+
+def join(input: Tensor, phony: Tensor) -> Tensor:
+    """Merges a phony into ``input`` so that ``input`` depends on it."""
+    if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
+        input = _Join.apply(input, phony)
+    return input
+
+
+class _Fork(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        phony = get_phony(input.device, requires_grad=False)
+        return input.detach(), phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_input: Tensor, grad_grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad_input
+
+
+class _Join(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
+        return input.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad_input: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        return grad_input, None

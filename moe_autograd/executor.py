@@ -1,0 +1,268 @@
+"""The worker pool that runs expert calls, forward and backward.
+
+Why not :class:`concurrent.futures.ThreadPoolExecutor`: a call made from inside
+a worker (an expert that fans out again, a nested map) deadlocks a bounded pool
+once every worker waits on work queued behind it, and a future per call costs
+more than a tiny expert call itself. This pool instead works in *groups*:
+
+* a :class:`TaskGroup` is the set of calls one map submits together;
+* the submitting thread puts one *ticket* per call on the pool's queue, wakes
+  (or starts, up to the bound) enough workers, then **helps**: it pops its own
+  group's calls and runs them inline until none is left, and only then waits
+  for the calls that workers took.
+
+Invariants:
+
+* A thread waits only on calls of its own group that another thread is already
+  running, so nested groups always make progress, whatever the pool size.
+* While the pool has free workers, every call of a group runs concurrently
+  with every other (a call is never queued behind a sibling).
+* A call never runs twice, and a cancelled call never starts.
+* ``wait(help=False)`` never runs a call on the caller's thread, so a caller
+  with a deadline cannot be caught inside a straggler.
+
+The pool is created on first use, sized by ``MOE_AUTOGRAD_WORKERS`` (default
+32), made of named daemon threads, and recreated in a child after ``fork``.
+"""
+import os
+import queue
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, TypeVar
+
+__all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallError"]
+
+T = TypeVar("T")
+
+_PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+DEFAULT_WORKERS = 32
+
+
+class CallError(Exception):
+    """Marks a call that was cancelled before it started."""
+
+
+class TaskGroup(Generic[T]):
+    """Calls submitted together; see the module docstring for the protocol."""
+
+    def __init__(self, pool: "WorkerPool", fns: Sequence[Callable[[], T]]) -> None:
+        n = len(fns)
+        self._fns: List[Optional[Callable[[], T]]] = list(fns)
+        self._pending: Deque[int] = deque(range(n))
+        self._state = [_PENDING] * n
+        self.results: List[Optional[T]] = [None] * n
+        self.errors: List[Optional[BaseException]] = [None] * n
+        self.finished_at: List[Optional[float]] = [None] * n
+        self._remaining = n
+        self._cond = threading.Condition(threading.Lock())
+        self._on_done: Optional[Callable[[int], None]] = None
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return len(self._fns)
+
+    def _run_next(self) -> bool:
+        """Runs one pending call on this thread; False if none was pending."""
+        try:
+            i = self._pending.popleft()
+        except IndexError:
+            return False
+        fn = self._fns[i]
+        self._fns[i] = None  # the closure may hold big tensors: drop it once run
+        self._state[i] = _RUNNING
+        try:
+            self.results[i] = fn()  # type: ignore[misc]
+        except BaseException as error:  # noqa: B902 - a worker must survive anything
+            self.errors[i] = error
+        self._finish(i, _DONE)
+        return True
+
+    def _finish(self, i: int, state: int) -> None:
+        with self._cond:
+            self._state[i] = state
+            self.finished_at[i] = time.monotonic()
+            self._remaining -= 1
+            self._cond.notify_all()
+        callback = self._on_done
+        if callback is not None:
+            callback(i)
+
+    def done(self, i: int) -> bool:
+        return self._state[i] in (_DONE, _CANCELLED)
+
+    def succeeded(self, i: int) -> bool:
+        return self._state[i] == _DONE and self.errors[i] is None
+
+    @property
+    def all_done(self) -> bool:
+        return self._remaining == 0
+
+    def wait(
+        self,
+        timeout: Optional[float] = None,
+        *,
+        help: bool = True,
+        until: Optional[Callable[[], bool]] = None,
+    ) -> bool:
+        """Waits until every call is done (or ``until()`` holds, checked after
+        each completion); True unless ``timeout`` seconds passed first.
+
+        With ``help`` the caller runs its group's pending calls inline first.
+        """
+        if help:
+            while self._run_next():
+                pass
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._remaining and not (until is not None and until()):
+                if deadline is None:
+                    self._cond.wait()
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def cancel(self) -> None:
+        """Calls that have not started never will; running ones finish alone."""
+        while True:
+            try:
+                i = self._pending.popleft()
+            except IndexError:
+                return
+            self._fns[i] = None
+            self.errors[i] = CallError("cancelled before it started")
+            self._finish(i, _CANCELLED)
+
+    def raise_first_error(self, what: str = "call") -> None:
+        """Re-raises the error of the lowest-numbered failed call, noting
+        which call it was as ``call <i> of <n>``."""
+        for i, error in enumerate(self.errors):
+            if error is not None:
+                note = f"{what} {i} of {len(self)}"
+                if note not in getattr(error, "__notes__", ()):
+                    error.add_note(note)
+                raise error
+
+
+class WorkerPool:
+    """A bounded pool of named daemon threads that serve :class:`TaskGroup`\\ s."""
+
+    def __init__(self, max_workers: int) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be at least 1, got {max_workers}")
+        self.max_workers = max_workers
+        self._tickets: "queue.SimpleQueue[Optional[TaskGroup[Any]]]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: List[threading.Thread] = []
+        self._idle = 0  # workers blocked on (or about to block on) a ticket
+        self._queued = 0  # tickets put and not yet taken
+
+    @property
+    def threads(self) -> List[threading.Thread]:
+        return list(self._threads)
+
+    def submit(self, fns: Sequence[Callable[[], T]]) -> TaskGroup[T]:
+        """Queues the calls; they start on workers at once (while some are
+        free). Call :meth:`TaskGroup.wait` to help and join."""
+        group: TaskGroup[T] = TaskGroup(self, fns)
+        n = len(fns)
+        if n == 0:
+            return group
+        with self._lock:
+            self._queued += n
+            free = self._idle - (self._queued - n)
+            missing = min(n - free, self.max_workers - len(self._threads))
+            for _ in range(max(missing, 0)):
+                self._start_worker()
+        for _ in range(n):
+            self._tickets.put(group)
+        return group
+
+    def _start_worker(self) -> None:
+        thread = threading.Thread(
+            target=self._work, name=f"moe_autograd-worker-{len(self._threads)}", daemon=True
+        )
+        self._threads.append(thread)
+        self._idle += 1
+        thread.start()
+
+    def _work(self) -> None:
+        while True:
+            group = self._tickets.get()
+            with self._lock:
+                self._idle -= 1
+                self._queued -= 1
+            if group is None:
+                return
+            group._run_next()
+            del group  # don't keep the last group (and its tensors) alive while idle
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Stops the workers once they finish their current call."""
+        with self._lock:
+            threads, self._threads = self._threads, []
+            self._queued += len(threads)
+        for _ in threads:
+            self._tickets.put(None)
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
+
+
+_pool: Optional[WorkerPool] = None
+_pool_lock = threading.Lock()
+
+
+def _workers_from_env() -> int:
+    raw = os.environ.get("MOE_AUTOGRAD_WORKERS", "")
+    if not raw:
+        return DEFAULT_WORKERS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"MOE_AUTOGRAD_WORKERS must be a positive integer, got {raw!r}") from None
+    if value < 1:
+        raise ValueError(f"MOE_AUTOGRAD_WORKERS must be a positive integer, got {raw!r}")
+    return value
+
+
+def get_pool() -> WorkerPool:
+    """The process-wide pool, created on first use."""
+    global _pool
+    pool = _pool
+    if pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = WorkerPool(_workers_from_env())
+            pool = _pool
+    return pool
+
+
+def _forget_pool_after_fork() -> None:
+    # The parent's worker threads do not exist in the child; its locks may be held.
+    global _pool, _pool_lock
+    _pool = None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+def run_all(fns: Sequence[Callable[[], T]], what: str = "call") -> List[T]:
+    """Runs the calls concurrently, joins all of them, then raises the first
+    failure (``<what> <i> of <n>``) or returns the results in order."""
+    if len(fns) == 1:
+        try:
+            return [fns[0]()]
+        except BaseException as error:
+            error.add_note(f"{what} 0 of 1")
+            raise
+    group = get_pool().submit(fns)
+    group.wait()
+    group.raise_first_error(what)
+    return group.results  # type: ignore[return-value]

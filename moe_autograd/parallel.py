@@ -1,0 +1,343 @@
+"""``parallel_apply``: module calls that overlap in forward AND backward.
+
+:func:`torch.nn.parallel.parallel_apply` overlaps forward only; its backward
+runs call after call on the engine's thread. Here each call runs on a worker
+with grad enabled on an *isolated* graph (its tensor inputs are detached
+leaves), and :func:`moe_autograd.autograd.attach` hangs all outputs off one
+node whose backward runs each call's graph on a worker again.
+
+Lifecycle of one :class:`ModuleCall`::
+
+    plain:        forward (grad on, graph kept) ........ backward(grads) -> release
+    checkpointed: forward (no_grad, inputs kept) -> recompute (grad on, same RNG)
+                                                     -> backward(grads) -> release
+
+Recomputation is a step of its own, as the pipeline libraries' ``Recompute``
+node is: :meth:`ModuleCall.start_recompute` queues it on a worker as soon as
+the call's outputs have their gradients, or earlier at a tensor the user names
+(:func:`recompute_early`), so it need not wait for the node's backward.
+
+Invariants:
+
+* Parameter gradients reach ``.grad`` through the real ``AccumulateGrad``
+  nodes (hooks fire, concurrent accumulation is locked by PyTorch), unless a
+  tolerant policy asks to hold them back until :meth:`ModuleCall.commit`.
+* A checkpointed call recomputes on its own worker with the same private RNG
+  streams (:class:`moe_autograd.rng.CallRng`) and the caller's autocast state,
+  so it reproduces its forward exactly, whatever other threads draw meanwhile.
+"""
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .autograd import BackwardPolicy, Grads, IsolatedCall, attach
+from .checkpoint import enable_checkpointing, enable_recomputing
+from .dependency import fork, join
+from .executor import TaskGroup, get_pool, run_all
+from .rng import CallRng
+from .skip.tracker import SkipTracker, use_skip_tracker
+from .stream import use_device
+from .tls import CallerState
+
+__all__ = ["parallel_apply", "recompute_early", "ModuleCall"]
+
+Expert = Callable[..., Any]
+
+
+def _device_of(module: Expert, leaves: Sequence[Any]) -> torch.device:
+    if isinstance(module, nn.Module):
+        for p in module.parameters():
+            return p.device
+    for v in leaves:
+        if isinstance(v, Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
+    """Every leaf tensor that requires grad under ``outputs``' graphs."""
+    seen, leaves, stack = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)
+        if variable is not None:
+            leaves.append(variable)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return leaves
+
+
+class ModuleCall(IsolatedCall):
+    """One call of an expert (module or callable) on an isolated graph."""
+
+    def __init__(self, module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any], *,
+                 checkpoint: bool = False, hold_param_grads: bool = False,
+                 check_finite_grads: bool = False, name: str = "call") -> None:
+        self.module, self.name = module, name
+        self.checkpoint = checkpoint and torch.is_grad_enabled()
+        self.hold_param_grads = hold_param_grads
+        self.check_finite_grads = check_finite_grads
+        leaves, self._in_spec = tree_flatten((args, kwargs))
+        self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
+        self._leaves: Optional[List[Any]] = [
+            v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
+            for v in leaves
+        ]
+        self._grad_leaves = [v for v in self._leaves if isinstance(v, Tensor) and v.requires_grad]
+        self.device = _device_of(module, leaves)
+        self.rng = CallRng.fork() if self.checkpoint else None
+        self._lock = threading.Lock()
+        self._recompute: Optional[TaskGroup[None]] = None
+        self._local_outputs: Optional[List[Tensor]] = None
+        self._held: List[Tuple[Tensor, Tensor]] = []
+        self.outputs: List[Tensor] = []
+        self.result: Any = None
+
+    # -- forward ---------------------------------------------------------------
+    def _call(self) -> Any:
+        assert self._leaves is not None
+        args, kwargs = tree_unflatten(self._leaves, self._in_spec)
+        with use_device(self.device), use_skip_tracker(SkipTracker()):
+            return self.module(*args, **kwargs)
+
+    def forward(self) -> "ModuleCall":
+        """Runs the call on this thread (a worker); fills ``outputs``."""
+        if self.checkpoint:
+            assert self.rng is not None
+            with torch.no_grad(), enable_checkpointing(), self.rng.activate():
+                result = self._call()
+        else:
+            result = self._call()
+        out_leaves, self._out_spec = tree_flatten(result)
+        self._out_leaves = out_leaves
+        self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
+        if not self.checkpoint:
+            self._local_outputs = self.outputs
+            self.non_differentiable = [o for o in self.outputs if not o.requires_grad]
+        else:
+            self.non_differentiable = [o for o in self.outputs
+                                       if not (o.is_floating_point() or o.is_complex())]
+        return self
+
+    @property
+    def needs_grad(self) -> bool:
+        if not torch.is_grad_enabled():
+            return False
+        if self.checkpoint:
+            params = self.module.parameters() if isinstance(self.module, nn.Module) else ()
+            return bool(self.inputs) or any(p.requires_grad for p in params)
+        return any(o.requires_grad for o in self.outputs)
+
+    def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
+        """The call's result with ``outer_outputs`` in place of its tensors."""
+        it = iter(outer_outputs)
+        leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
+        return tree_unflatten(leaves, self._out_spec)
+
+    # -- recomputation ---------------------------------------------------------
+    def _recompute_now(self) -> None:
+        assert self.rng is not None
+        with torch.enable_grad(), enable_recomputing(), self.rng.activate():
+            result = self._call()
+        self._local_outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+
+    def start_recompute(self, state: Optional[CallerState] = None) -> None:
+        """Queues the recomputation on a worker unless it is queued already."""
+        if not self.checkpoint:
+            return
+        with self._lock:
+            if self._recompute is not None or self._leaves is None:
+                return
+            state = state or CallerState()
+
+            def run() -> None:
+                with state.applied():  # type: ignore[union-attr]
+                    self._recompute_now()
+            self._recompute = get_pool().submit([run])
+
+    def _wait_recompute(self) -> None:
+        self.start_recompute()
+        group = self._recompute
+        assert group is not None
+        group.wait()  # runs it here if no worker took it yet
+        if group.errors[0] is not None:
+            raise group.errors[0]
+
+    # -- backward --------------------------------------------------------------
+    def backward(self, grad_outputs: Grads) -> Grads:
+        if self._leaves is None:
+            raise RuntimeError(f"{self.name}: backward after its graph was freed")
+        if self.checkpoint:
+            self._wait_recompute()
+        outputs = self._local_outputs
+        assert outputs is not None
+        pairs = [(o, g) for o, g in zip(outputs, grad_outputs)
+                 if g is not None and o.requires_grad]
+        if not pairs:
+            return [None] * len(self.inputs)
+        outs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if self.hold_param_grads:
+            return self._backward_held(outs, grads)
+        torch.autograd.backward(outs, grads, retain_graph=True)
+        input_grads = []
+        for leaf in self._grad_leaves:
+            input_grads.append(leaf.grad)
+            leaf.grad = None  # a retained graph's next backward starts afresh
+        return input_grads
+
+    def _backward_held(self, outs: List[Tensor], grads: List[Tensor]) -> Grads:
+        inputs = set(map(id, self._grad_leaves))
+        params = [leaf for leaf in _graph_leaves(outs) if id(leaf) not in inputs]
+        targets = self._grad_leaves + params
+        computed = torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True)
+        if self.check_finite_grads:
+            for g in computed:
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    raise FloatingPointError(f"{self.name}: non-finite gradient")
+        n = len(self._grad_leaves)
+        self._held = [(p, g) for p, g in zip(params, computed[n:]) if g is not None]
+        return list(computed[:n])
+
+    def commit(self) -> None:
+        held, self._held = self._held, []
+        with torch.no_grad():
+            for param, grad in held:
+                if param.grad is None:
+                    param.grad = grad.detach().clone()
+                else:
+                    param.grad += grad
+
+    def release(self) -> None:
+        self._leaves = None
+        self._local_outputs = None
+        self._held = []
+        self._recompute = None
+
+
+class _StartRecompute(torch.autograd.Function):
+    """The ``Recompute`` node: its backward queues recomputation and returns."""
+
+    @staticmethod
+    def forward(ctx: Any, phony: Tensor, calls: List[ModuleCall]) -> Tensor:  # type: ignore[override]
+        ctx.calls = calls
+        return phony.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
+        state = CallerState()
+        for call in ctx.calls:
+            call.start_recompute(state)
+        return None, None
+
+
+def _hook_recompute(tensor: Tensor, calls: List[ModuleCall]) -> Tensor:
+    """``tensor`` joined to a phony whose backward starts the recomputations."""
+    tensor, phony = fork(tensor)
+    phony = _StartRecompute.apply(phony, calls)
+    return join(tensor, phony)
+
+
+_CALLS_ATTR = "_moe_autograd_calls"
+
+
+def recompute_early(trigger: Tensor, outputs: Any) -> Tensor:
+    """Starts recomputing the checkpointed calls that produced ``outputs`` as
+    soon as backward reaches ``trigger`` (e.g. the output of the layer after
+    the experts). Use the returned tensor in place of ``trigger``."""
+    calls: List[ModuleCall] = []
+    for leaf in tree_flatten(outputs)[0]:
+        for call in getattr(leaf, _CALLS_ATTR, ()):
+            if call not in calls:
+                calls.append(call)
+    if not calls or not trigger.requires_grad:
+        return trigger
+    return _hook_recompute(trigger, calls)
+
+
+def _as_args(value: Any) -> Tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[bool]:
+    if isinstance(value, bool):
+        return [value] * n
+    values = list(value)
+    if len(values) != n:
+        raise ValueError(f"parallel_apply: {what} has {len(values)} entries for {n} calls")
+    return [bool(v) for v in values]
+
+
+def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
+                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
+                checkpoint: Union[bool, Sequence[bool]] = False,
+                hold_param_grads: bool = False, check_finite_grads: bool = False,
+                name: str = "parallel_apply") -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
+    """Queues every call's forward on the pool; the caller joins the group."""
+    n = len(modules)
+    if len(inputs) != n:
+        raise ValueError(f"{name}: {n} modules but {len(inputs)} inputs")
+    if kwargs is not None and len(kwargs) != n:
+        raise ValueError(f"{name}: {n} modules but {len(kwargs)} kwargs")
+    flags = _per_call(checkpoint, n, "checkpoint")
+    calls = [
+        ModuleCall(modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
+                   checkpoint=flags[i], hold_param_grads=hold_param_grads,
+                   check_finite_grads=check_finite_grads, name=f"{name}: call {i} of {n}")
+        for i in range(n)
+    ]
+    state = CallerState()
+    grad_enabled = torch.is_grad_enabled()
+
+    def task(call: ModuleCall) -> Callable[[], ModuleCall]:
+        def run() -> ModuleCall:
+            with state.applied(), torch.set_grad_enabled(grad_enabled):
+                return call.forward()
+        return run
+
+    return calls, get_pool().submit([task(c) for c in calls])
+
+
+def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] = None,
+                 name: str = "parallel_apply") -> List[Any]:
+    """Hangs the finished calls off one node; returns their results."""
+    if not calls:
+        return []
+    if not any(call.needs_grad for call in calls):
+        for call in calls:
+            call.release()
+        return [call.rebuild(call.outputs) for call in calls]
+    attached = attach(calls, policy, name=name, phony_device=calls[0].device)
+    results = []
+    checkpointed = [c for c in calls if c.checkpoint]
+    for call, outs in zip(calls, attached):
+        if call.checkpoint:
+            for out in outs:
+                setattr(out, _CALLS_ATTR, checkpointed)
+            differentiable = [k for k, o in enumerate(outs) if o.requires_grad]
+            if differentiable:
+                k = differentiable[0]
+                outs[k] = _hook_recompute(outs[k], [call])
+        results.append(call.rebuild(outs))
+    return results
+
+
+def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
+                   kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
+                   checkpoint: Union[bool, Sequence[bool]] = False) -> List[Any]:
+    """Calls ``modules[i](*inputs[i], **kwargs[i])`` for every ``i``, forward and
+    backward concurrently on workers; returns the outputs in order.
+
+    ``inputs[i]`` is a tensor or a tuple of arguments. Gradients (inputs and
+    parameters, shared modules included) equal those of a plain loop. With
+    ``checkpoint`` (a bool, or one per call), a call keeps only its inputs and
+    recomputes its forward on a worker in backward.
+    """
+    calls, group = start_calls(modules, inputs, kwargs, checkpoint=checkpoint)
+    group.wait()
+    group.raise_first_error("parallel_apply: call")
+    return finish_calls(calls)

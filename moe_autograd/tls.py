@@ -1,0 +1,59 @@
+"""The thread-local state that a call carries from its caller to a worker.
+
+PyTorch keeps autocast, inference mode and saved-tensor hooks per thread. A
+call that runs on a worker must see the same state as if it ran on the caller,
+otherwise an expert would silently compute in another precision (autocast) or
+escape the user's saved-tensor hooks (offloading, memory accounting). The
+autograd engine does the same for its own threads.
+
+Invariant: :meth:`CallerState.applied` restores the worker's previous state on
+exit, so a worker that serves several callers never mixes their states.
+"""
+from contextlib import ExitStack, contextmanager
+from typing import Any, Generator, List, Optional, Tuple
+
+import torch
+
+__all__ = ["CallerState"]
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+class CallerState:
+    """A snapshot of the caller thread's state, taken at submission."""
+
+    __slots__ = ("autocast", "cache_enabled", "inference_mode", "saved_tensor_hooks")
+
+    def __init__(self) -> None:
+        self.autocast: List[Tuple[str, bool, torch.dtype]] = [
+            (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in _AUTOCAST_DEVICES
+        ]
+        self.cache_enabled = torch.is_autocast_cache_enabled()
+        self.inference_mode = torch.is_inference_mode_enabled()
+        self.saved_tensor_hooks: Optional[Tuple[Any, Any]] = (
+            torch._C._autograd._top_saved_tensors_default_hooks(False)
+        )
+
+    @property
+    def any_autocast(self) -> bool:
+        return any(enabled for _, enabled, _ in self.autocast)
+
+    @contextmanager
+    def applied(self) -> Generator[None, None, None]:
+        """Runs the body with this state on the current thread."""
+        with ExitStack() as stack:
+            if self.inference_mode and not torch.is_inference_mode_enabled():
+                stack.enter_context(torch.inference_mode())
+            for device, enabled, dtype in self.autocast:
+                if enabled != torch.is_autocast_enabled(device) or (
+                    enabled and dtype != torch.get_autocast_dtype(device)
+                ):
+                    stack.enter_context(
+                        torch.autocast(device, dtype=dtype, enabled=enabled,
+                                       cache_enabled=self.cache_enabled)
+                    )
+            hooks = self.saved_tensor_hooks
+            if hooks is not None and hooks != torch._C._autograd._top_saved_tensors_default_hooks(False):
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+            yield
