@@ -149,15 +149,16 @@ class BackwardPolicy:
     The default raises the first failure, after joining every call. With
     ``tolerate_failures`` a call that raises or misses ``timeout`` is treated
     as a constant (no gradient into its inputs or, if it holds them back until
-    :meth:`IsolatedCall.commit`, its parameters); ``check`` then sees which
-    calls succeeded and may raise.
+    :meth:`IsolatedCall.commit`, its parameters); ``check`` then sees each
+    call's outcome (None for success, else its error; a :class:`TimeoutError`
+    for a call past the deadline) and may raise.
     """
 
     def __init__(
         self,
         timeout: Optional[float] = None,
         tolerate_failures: bool = False,
-        check: Optional[Callable[[List[bool]], None]] = None,
+        check: Optional[Callable[[List[Optional[BaseException]]], None]] = None,
     ) -> None:
         self.timeout = timeout
         self.tolerate_failures = tolerate_failures
@@ -292,7 +293,12 @@ def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Gr
         raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
                            f"missed the {policy.timeout}s deadline")
     if policy.check is not None:
-        policy.check(ok)
+        policy.check([
+            None if ok[i] else group.errors[i] or TimeoutError(
+                f"{plan.name} backward: call {i} of {len(calls)} missed the "
+                f"{policy.timeout}s deadline")
+            for i in range(len(calls))
+        ])
     results: List[Grads] = []
     for i, call in enumerate(calls):
         if ok[i]:

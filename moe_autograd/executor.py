@@ -31,7 +31,7 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, TypeVar
 
-__all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallError"]
+__all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled"]
 
 T = TypeVar("T")
 
@@ -39,8 +39,9 @@ _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 DEFAULT_WORKERS = 32
 
 
-class CallError(Exception):
-    """Marks a call that was cancelled before it started."""
+class CallCancelled(TimeoutError):
+    """The error of a call that never started: its group was cancelled,
+    because the caller's deadline passed first."""
 
 
 class TaskGroup(Generic[T]):
@@ -133,7 +134,7 @@ class TaskGroup(Generic[T]):
             except IndexError:
                 return
             self._fns[i] = None
-            self.errors[i] = CallError("cancelled before it started")
+            self.errors[i] = CallCancelled("cancelled before it started: the deadline passed")
             self._finish(i, _CANCELLED)
 
     def raise_first_error(self, what: str = "call") -> None:

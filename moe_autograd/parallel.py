@@ -77,8 +77,9 @@ class ModuleCall(IsolatedCall):
 
     def __init__(self, module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any], *,
                  checkpoint: bool = False, hold_param_grads: bool = False,
-                 check_finite_grads: bool = False, name: str = "call") -> None:
-        self.module, self.name = module, name
+                 check_finite_grads: bool = False, name: str = "call", index: int = 0,
+                 validate: Optional[Callable[["ModuleCall"], None]] = None) -> None:
+        self.module, self.name, self.index, self.validate = module, name, index, validate
         self.checkpoint = checkpoint and torch.is_grad_enabled()
         self.hold_param_grads = hold_param_grads
         self.check_finite_grads = check_finite_grads
@@ -102,7 +103,8 @@ class ModuleCall(IsolatedCall):
     def _call(self) -> Any:
         assert self._leaves is not None
         args, kwargs = tree_unflatten(self._leaves, self._in_spec)
-        with use_device(self.device), use_skip_tracker(SkipTracker()):
+        with use_device(self.device), use_skip_tracker(SkipTracker()), \
+                torch.profiler.record_function(self.name):
             return self.module(*args, **kwargs)
 
     def forward(self) -> "ModuleCall":
@@ -122,6 +124,8 @@ class ModuleCall(IsolatedCall):
         else:
             self.non_differentiable = [o for o in self.outputs
                                        if not (o.is_floating_point() or o.is_complex())]
+        if self.validate is not None:
+            self.validate(self)
         return self
 
     @property
@@ -276,8 +280,15 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
                 checkpoint: Union[bool, Sequence[bool]] = False,
                 hold_param_grads: bool = False, check_finite_grads: bool = False,
-                name: str = "parallel_apply") -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
-    """Queues every call's forward on the pool; the caller joins the group."""
+                name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
+                validate: Optional[Callable[[ModuleCall], None]] = None,
+                ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
+    """Queues every call's forward on the pool; the caller joins the group.
+
+    ``labels`` name the calls in errors and profiler ranges (default
+    ``call <i> of <n>``); ``validate`` runs on the worker after each forward
+    and fails the call by raising.
+    """
     n = len(modules)
     if len(inputs) != n:
         raise ValueError(f"{name}: {n} modules but {len(inputs)} inputs")
@@ -287,7 +298,8 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     calls = [
         ModuleCall(modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
                    checkpoint=flags[i], hold_param_grads=hold_param_grads,
-                   check_finite_grads=check_finite_grads, name=f"{name}: call {i} of {n}")
+                   check_finite_grads=check_finite_grads, validate=validate, index=i,
+                   name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
     state = CallerState()
