@@ -35,7 +35,7 @@ from torch.autograd.function import _is_setup_context_defined  # type: ignore[at
 
 from .executor import get_pool, run_all
 from .phony import get_phony
-from .tls import CallerState
+from .tls import bind, capture
 
 __all__ = [
     "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
@@ -92,12 +92,16 @@ def run_isolated_forward(func: FunctionType, *args: Any) -> Tuple[EmulatedAutogr
         tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
     )
     detached = _detach_args(args)
-    with torch.no_grad():
+    grad_was_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # torch.no_grad() costs more than the call
+    try:
         if _is_setup_context_defined(func.setup_context):
             outputs = func.forward(*detached)
             func.setup_context(ctx, detached, outputs)
         else:
             outputs = func.forward(ctx, *detached)
+    finally:
+        torch._C._set_grad_enabled(grad_was_enabled)
     ctx._inputs = detached  # type: ignore[attr-defined]
     return ctx, outputs
 
@@ -107,8 +111,12 @@ def run_isolated_backward(
 ) -> Tuple[Optional[Tensor], ...]:
     """Runs ``func.backward(ctx, *grad_outputs)`` under no_grad; always returns a
     tuple of gradients."""
-    with torch.no_grad():
+    grad_was_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
         grads = func.backward(ctx, *grad_outputs)
+    finally:
+        torch._C._set_grad_enabled(grad_was_enabled)
     return grads if isinstance(grads, tuple) else (grads,)
 
 
@@ -201,6 +209,10 @@ class _ParallelNode(torch.autograd.Function):
         offset = 0
         assert plan.calls is not None
         for call in plan.calls:
+            if not (call.dirty or call.non_differentiable):
+                outputs.extend([out.detach() for out in call.outputs])
+                offset += len(call.inputs)
+                continue
             dirty_at = dict(call.dirty)
             nondiff = {id(t) for t in call.non_differentiable}
             for k, out in enumerate(call.outputs):
@@ -219,11 +231,10 @@ class _ParallelNode(torch.autograd.Function):
             ctx.mark_non_differentiable(*non_differentiable)
         # Release the calls when the engine frees this node's saved state: a
         # backward without retain_graph, or the node's death. The token is only
-        # referenced by the saved state (identity hooks keep it from being copied).
+        # referenced by the saved state (see attach() for the hooks).
         token = torch.empty(0)
         weakref.finalize(token, plan.release)
-        with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-            ctx.save_for_backward(token)
+        ctx.save_for_backward(token)
         return tuple(outputs)
 
     @staticmethod
@@ -265,13 +276,12 @@ def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads
 
 
 def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
-    state = CallerState()
+    state = capture()
 
     def task(i: int) -> Callable[[], Grads]:
         def run() -> Grads:
-            with state.applied():
-                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
-        return run
+            return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+        return bind(state, run)
 
     policy = plan.policy
     fns = [task(i) for i in range(len(calls))]
@@ -326,7 +336,11 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     plan = _Plan(calls, policy, name)
     phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
     flat_inputs = [t for call in calls for t in call.inputs]
-    flat = _ParallelNode.apply(plan, phony, *flat_inputs)
+    # The node saves only its release token. Identity hooks keep the caller's
+    # saved-tensor hooks (offloading, say) from copying it, which would free the
+    # calls before backward.
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        flat = _ParallelNode.apply(plan, phony, *flat_inputs)
     result: List[List[Tensor]] = []
     offset = 0
     for meta in plan.output_meta:
@@ -338,25 +352,25 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
 class _FunctionCall(IsolatedCall):
     """One call of an autograd Function, run through the emulated context."""
 
-    def __init__(self, func: FunctionType, args: Sequence[Any], index: int, count: int) -> None:
+    def __init__(self, func: FunctionType, args: Tuple[Any, ...], index: int, count: int) -> None:
         self.func = func
         self.index, self.count = index, count
+        self.num_args = len(args)
         self.tensor_positions = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
         self.inputs = [args[k] for k in self.tensor_positions]
-        self.num_args = len(args)
         ctx, outputs = run_isolated_forward(func, *args)
-        self.single = isinstance(outputs, Tensor)
-        self.results: Tuple[Any, ...] = (outputs,) if self.single else tuple(outputs)
+        self.results: Tuple[Any, ...] = outputs if isinstance(outputs, tuple) else (outputs,)
         self.output_positions = [k for k, o in enumerate(self.results) if isinstance(o, Tensor)]
         self.outputs = [self.results[k] for k in self.output_positions]
         self.ctx: Optional[EmulatedAutogradContext] = ctx
         self.materialize_grads = ctx.materialize_grads
         self.non_differentiable = ctx.non_differentiable
-        detached = ctx._inputs  # type: ignore[attr-defined]
-        position_of = {id(detached[k]): n for n, k in enumerate(self.tensor_positions)}
-        out_ids = {id(o): n for n, o in enumerate(self.outputs)}
-        self.dirty = [(out_ids[id(t)], position_of[id(t)]) for t in ctx.dirty_tensors
-                      if id(t) in out_ids and id(t) in position_of]
+        if ctx.dirty_tensors:
+            detached = ctx._inputs  # type: ignore[attr-defined]
+            input_at = {id(detached[k]): n for n, k in enumerate(self.tensor_positions)}
+            output_at = {id(o): n for n, o in enumerate(self.outputs)}
+            self.dirty = [(output_at[id(t)], input_at[id(t)]) for t in ctx.dirty_tensors
+                          if id(t) in output_at and id(t) in input_at]
 
     def _name(self) -> str:
         return f"{self.func.__name__} (call {self.index} of {self.count})"
@@ -364,17 +378,22 @@ class _FunctionCall(IsolatedCall):
     def backward(self, grad_outputs: Grads) -> Grads:
         if self.ctx is None:
             raise RuntimeError(f"{self._name()}: backward after its state was freed")
-        grads_by_output: List[Optional[Tensor]] = [None] * len(self.results)
-        for k, g in zip(self.output_positions, grad_outputs):
-            grads_by_output[k] = g
+        if len(self.output_positions) == len(self.results):
+            grads_by_output = grad_outputs
+        else:
+            grads_by_output = [None] * len(self.results)
+            for k, g in zip(self.output_positions, grad_outputs):
+                grads_by_output[k] = g
         grads = run_isolated_backward(self.func, self.ctx, *grads_by_output)
-        if len(grads) < self.num_args or any(g is not None for g in grads[self.num_args:]):
+        n = self.num_args
+        if len(grads) < n or any(g is not None for g in grads[n:]):
             raise RuntimeError(
                 f"function {self.func.__name__}.backward returned an incorrect number of "
-                f"gradients (expected {self.num_args}, got {len(grads)}) in {self._name()}")
-        tensor_positions = set(self.tensor_positions)
-        for k in range(self.num_args):
-            if k not in tensor_positions and grads[k] is not None:
+                f"gradients (expected {n}, got {len(grads)}) in {self._name()}")
+        if len(self.tensor_positions) == n:
+            return list(grads[:n])
+        for k, grad in enumerate(grads[:n]):
+            if grad is not None and k not in self.tensor_positions:
                 raise RuntimeError(
                     f"function {self.func.__name__}.backward returned a gradient different "
                     f"from None at position {k}, but the input is not a tensor, in {self._name()}")
@@ -395,13 +414,10 @@ def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
     if not (isinstance(func, type) and issubclass(func, torch.autograd.Function)):
         raise TypeError(f"func must be a torch.autograd.Function subclass, got {func!r}")
     n = len(args_per_call)
-    state = CallerState()
+    state = capture()
 
     def task(i: int) -> Callable[[], _FunctionCall]:
-        def run() -> _FunctionCall:
-            with state.applied():
-                return _FunctionCall(func, tuple(args_per_call[i]), i, n)
-        return run
+        return bind(state, lambda: _FunctionCall(func, tuple(args_per_call[i]), i, n))
 
     calls = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
     attached = attach(calls, name=func.__name__)

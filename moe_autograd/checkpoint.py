@@ -15,11 +15,11 @@ Here a checkpointed call is split into two nodes sharing state through
 Wiring (forward left to right; backward runs right to left, and the engine
 must finish ``Recompute`` before the gradient crosses ``fork``)::
 
-    phony(rg) --+
-    inputs -----+--> Checkpoint --> out[i] --> fork --> join --> out[i]' --> ...
-                         |                       | phony  ^
-    inputs (saved) ------|---------------------> Recompute +--> join --> out[j]'
-                         +--> out[j] (other outputs requiring grad) --^
+    phony(rg), inputs --> Checkpoint --+--> out[i] --> fork ----------------> join --> out[i]'
+                                       |                 | phony            ^
+                                       |                 +--> Recompute --+-+
+                                       |                   (saved inputs) |
+                                       +--> out[j] ---------------------> join --> out[j]'
 
 ``i`` is the first tensor of the output batch. The phony is joined into every
 output that requires grad, so ``Recompute`` runs whichever outputs the loss

@@ -56,8 +56,9 @@ class TaskGroup(Generic[T]):
         self.errors: List[Optional[BaseException]] = [None] * n
         self.finished_at: List[Optional[float]] = [None] * n
         self._remaining = n
-        self._cond = threading.Condition(threading.Lock())
-        self._on_done: Optional[Callable[[int], None]] = None
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._waiters = 0  # notify only when someone waits: the common case is nobody
         self._pool = pool
 
     def __len__(self) -> int:
@@ -80,14 +81,12 @@ class TaskGroup(Generic[T]):
         return True
 
     def _finish(self, i: int, state: int) -> None:
-        with self._cond:
+        self.finished_at[i] = time.monotonic()
+        with self._lock:
             self._state[i] = state
-            self.finished_at[i] = time.monotonic()
             self._remaining -= 1
-            self._cond.notify_all()
-        callback = self._on_done
-        if callback is not None:
-            callback(i)
+            if self._waiters:
+                self._cond.notify_all()
 
     def done(self, i: int) -> bool:
         return self._state[i] in (_DONE, _CANCELLED)
@@ -114,16 +113,22 @@ class TaskGroup(Generic[T]):
         if help:
             while self._run_next():
                 pass
+        if not self._remaining:
+            return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._remaining and not (until is not None and until()):
-                if deadline is None:
-                    self._cond.wait()
-                    continue
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cond.wait(left)
+            self._waiters += 1
+            try:
+                while self._remaining and not (until is not None and until()):
+                    if deadline is None:
+                        self._cond.wait()
+                        continue
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._waiters -= 1
         return True
 
     def cancel(self) -> None:

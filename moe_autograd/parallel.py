@@ -40,7 +40,7 @@ from .executor import TaskGroup, get_pool, run_all
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
-from .tls import CallerState
+from .tls import CallerState, bind, capture
 
 __all__ = ["parallel_apply", "recompute_early", "ModuleCall"]
 
@@ -151,18 +151,14 @@ class ModuleCall(IsolatedCall):
         self._local_outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
 
     def start_recompute(self, state: Optional[CallerState] = None) -> None:
-        """Queues the recomputation on a worker unless it is queued already."""
+        """Queues the recomputation on a worker unless it is queued already;
+        ``state`` is the caller's (autocast...) to recompute under."""
         if not self.checkpoint:
             return
         with self._lock:
             if self._recompute is not None or self._leaves is None:
                 return
-            state = state or CallerState()
-
-            def run() -> None:
-                with state.applied():  # type: ignore[union-attr]
-                    self._recompute_now()
-            self._recompute = get_pool().submit([run])
+            self._recompute = get_pool().submit([bind(state or capture(), self._recompute_now)])
 
     def _wait_recompute(self) -> None:
         self.start_recompute()
@@ -233,7 +229,7 @@ class _StartRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
-        state = CallerState()
+        state = capture()
         for call in ctx.calls:
             call.start_recompute(state)
         return None, None
@@ -302,14 +298,14 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                    name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
-    state = CallerState()
+    state = capture()
     grad_enabled = torch.is_grad_enabled()
 
     def task(call: ModuleCall) -> Callable[[], ModuleCall]:
         def run() -> ModuleCall:
-            with state.applied(), torch.set_grad_enabled(grad_enabled):
+            with torch.set_grad_enabled(grad_enabled):
                 return call.forward()
-        return run
+        return bind(state, run)
 
     return calls, get_pool().submit([task(c) for c in calls])
 

@@ -10,13 +10,20 @@ Invariant: :meth:`CallerState.applied` restores the worker's previous state on
 exit, so a worker that serves several callers never mixes their states.
 """
 from contextlib import ExitStack, contextmanager
-from typing import Any, Generator, List, Optional, Tuple
+from typing import Any, Callable, Generator, List, Optional, Tuple, TypeVar
 
 import torch
 
-__all__ = ["CallerState"]
+__all__ = ["CallerState", "capture", "bind"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def capture() -> Optional["CallerState"]:
+    """The caller's state, or None when it is the default state that every
+    worker already has (the common case costs nothing then)."""
+    state = CallerState()
+    return None if state.is_default else state
 
 
 class CallerState:
@@ -36,8 +43,9 @@ class CallerState:
         )
 
     @property
-    def any_autocast(self) -> bool:
-        return any(enabled for _, enabled, _ in self.autocast)
+    def is_default(self) -> bool:
+        return not (self.inference_mode or self.saved_tensor_hooks is not None
+                    or any(enabled for _, enabled, _ in self.autocast))
 
     @contextmanager
     def applied(self) -> Generator[None, None, None]:
@@ -57,3 +65,18 @@ class CallerState:
             if hooks is not None and hooks != torch._C._autograd._top_saved_tensors_default_hooks(False):
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
             yield
+
+
+
+T = TypeVar("T")
+
+
+def bind(state: Optional[CallerState], fn: Callable[[], T]) -> Callable[[], T]:
+    """``fn`` run under ``state`` (``fn`` itself for the default state)."""
+    if state is None:
+        return fn
+
+    def run() -> T:
+        with state.applied():
+            return fn()
+    return run

@@ -155,7 +155,9 @@ def _move(tensor: Tensor, src_stream: AbstractStream, dst_stream: AbstractStream
     dst_device = get_device(dst_stream)
     out_stream = current_stream(dst_device)
     with use_stream(src_stream), use_stream(dst_stream):
-        moved = tensor.to(dst_device, non_blocking=True)
+        # Only a copy into device memory may run ahead of the host; a copy
+        # into host memory must be complete when it is handed out.
+        moved = tensor.to(dst_device, non_blocking=dst_device.type == "cuda")
         # The source is read on dst_stream, not the stream it was made on.
         record_stream(tensor, dst_stream)
         # The copy was allocated on dst_stream but is used on the current one.
@@ -194,7 +196,13 @@ class PortalOrange(torch.autograd.Function):
 
 
 class PortalCopy(torch.autograd.Function):
-    """Moves the tensor one hop forward and its gradient one hop back."""
+    """Moves the tensor one hop forward and its gradient one hop back.
+
+    The copy runs on ``next_stream`` (the gradient's on it too). Like the copy
+    of the micro-batch it travels with, it adds no stream waits of its own:
+    the runtime makes the consumer wait on ``next_stream`` in forward, and
+    ``next_stream`` wait on the gradient's producer in backward.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]

@@ -12,6 +12,7 @@ from moe_autograd.dependency import fork, join
 from moe_autograd.microbatch import Batch
 from moe_autograd.skip import pop, skippable, stash
 from moe_autograd.skip.layout import SkipLayout, inspect_skip_layout
+from moe_autograd.skip import portal as portal_module
 from moe_autograd.skip.portal import Portal
 from moe_autograd.skip.tracker import (
     SkipTracker, SkipTrackerThroughPortals, SkipTrackerThroughPotals, use_skip_tracker,
@@ -67,7 +68,15 @@ def test_gradient_flows_through_portal() -> None:
     assert portal.grad is None  # taken by PortalBlue.backward
 
 
-def test_portal_copy_moves_tensor_and_grad() -> None:
+def test_portal_copy_moves_tensor_and_grad(monkeypatch: pytest.MonkeyPatch) -> None:
+    moves: List[str] = []
+    original = portal_module._move
+
+    def spy(tensor: Tensor, src: Any, dst: Any) -> Tensor:
+        moves.append("grad" if tensor is portal.grad else "tensor")
+        return original(tensor, src, dst)
+
+    monkeypatch.setattr(portal_module, "_move", spy)
     a = torch.rand(3, requires_grad=True)
     b = torch.rand(3, requires_grad=True)
     portal = Portal(a * 3, 2)
@@ -77,7 +86,9 @@ def test_portal_copy_moves_tensor_and_grad() -> None:
     main = join(main, portal.copy(CPUStream, CPUStream, phony))
     main, phony = fork(main)
     skip = portal.orange(phony)
+    assert moves == ["tensor"]
     (main + skip).sum().backward()
+    assert moves == ["tensor", "grad"]  # PortalCopy.backward ran after PortalOrange.backward
     torch.testing.assert_close(a.grad, torch.full((3,), 3.0))
     torch.testing.assert_close(b.grad, torch.ones(3))
 

@@ -1,0 +1,39 @@
+"""``python -m moe_autograd {demo,bench,serve} [ARGS...]``.
+
+Each subcommand's module is imported only when it is chosen, and receives the
+remaining arguments (so ``python -m moe_autograd bench -h`` is bench's help).
+"""
+import argparse
+import sys
+from typing import Callable, Optional, Sequence
+
+COMMANDS = {
+    "demo": "a short tour of the runtime",
+    "bench": "baseline vs moe_autograd benchmarks (see moe_autograd/bench.py)",
+    "serve": "serve experts to remote callers",
+}
+
+
+def _entry(command: str) -> Callable[[Sequence[str]], Optional[int]]:
+    if command == "bench":
+        from .bench import main
+    elif command == "serve":
+        from .remote.cli import main
+    else:
+        from .demo import main
+    return main
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="python -m moe_autograd",
+                                     description="moe_autograd command line")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help in COMMANDS.items():
+        commands.add_parser(name, help=help, add_help=False)
+    command = parser.parse_args(args[:1]).command  # the rest belongs to the command
+    return int(_entry(command)(args[1:]) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

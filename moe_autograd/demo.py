@@ -1,0 +1,318 @@
+"""``python -m moe_autograd demo``: train a small MoE with local and remote experts.
+
+What it shows, on one machine with no arguments:
+
+1. It starts expert server processes on loopback (``torch.distributed.rpc``);
+   each hosts experts that apply their own optimizer after every backward.
+2. It builds ``embed -> MixtureOfExperts -> head`` whose experts are partly
+   local modules and partly :class:`~moe_autograd.remote.RemoteExpert`\\ s; one
+   remote expert is flaky (raises now and then) and one is slow (sometimes
+   sleeps past the forward deadline).
+3. It trains on a task a single expert cannot solve: the input space is cut into
+   regions and each region has its own linear labelling rule. A gate can learn
+   the regions, and each expert one rule.
+4. It reports the loss and accuracy reached (and those of a one-expert model
+   trained the same way), the step time against the same model run with plain
+   sequential autograd, and the failures and timeouts training absorbed.
+
+Every child process is stopped on exit, Ctrl-C included.
+"""
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+import threading
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .moe import MixtureOfExperts
+
+__all__ = ["main"]
+
+
+# -- the task ------------------------------------------------------------------
+class RegionTask:
+    """Labels are ``argmax(W_r x)`` where ``r`` is the quadrant of ``(x0, x1)``."""
+
+    def __init__(self, dim: int, classes: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.dim, self.classes = dim, classes
+        self.rules = torch.randn(4, classes, dim, generator=g)
+        self.g = g
+
+    def batch(self, size: int) -> Tuple[Tensor, Tensor]:
+        x = torch.randn(size, self.dim, generator=self.g)
+        region = (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
+        logits = torch.einsum("bcd,bd->bc", self.rules[region], x)
+        return x, logits.argmax(dim=-1)
+
+
+# -- experts -------------------------------------------------------------------
+class Expert(nn.Module):
+    """A small expert; ``latency`` emulates a heavier one (sleeps, GIL free)."""
+
+    def __init__(self, width: int, latency: float = 0.0, fail_rate: float = 0.0,
+                 slow_rate: float = 0.0, slow_for: float = 0.0) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.latency, self.fail_rate = latency, fail_rate
+        self.slow_rate, self.slow_for = slow_rate, slow_for
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.fail_rate and torch.rand(()).item() < self.fail_rate:
+            raise RuntimeError("injected failure")
+        delay = self.latency
+        if self.slow_rate and torch.rand(()).item() < self.slow_rate:
+            delay += self.slow_for
+        if delay:
+            time.sleep(delay)
+        return self.net(x)
+
+
+def server_experts(index: int, width: int, latency: float, fail_rate: float,
+                   slow_rate: float, slow_for: float) -> Dict[str, nn.Module]:
+    """The experts of server ``index``: server 0 hosts the flaky one, server 1
+    the slow one."""
+    torch.manual_seed(1000 + index)
+    experts: Dict[str, nn.Module] = {}
+    for j in range(2):
+        flaky = index == 0 and j == 0
+        slow = index == 1 and j == 0
+        experts[f"expert{j}"] = Expert(width, latency, fail_rate if flaky else 0.0,
+                                       slow_rate if slow else 0.0, slow_for if slow else 0.0)
+    return experts
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _exit_with_parent() -> None:
+    """A server whose demo process died (even by SIGKILL) must not linger."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
+    import torch.distributed.rpc as rpc
+
+    from .remote import ExpertServer
+
+    torch.set_num_threads(1)
+    _exit_with_parent()
+    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                              num_worker_threads=16, rpc_timeout=60)
+    rpc.init_rpc(f"server{rank - 1}", rank=rank, world_size=world_size,
+                 rpc_backend_options=options)
+    experts = server_experts(rank - 1, args["width"], args["latency"], args["fail_rate"],
+                             args["slow_rate"], args["slow_for"])
+    lr = args["lr"]
+    with ExpertServer(experts, optimizer=lambda params: torch.optim.Adam(params, lr=lr)):
+        rpc.shutdown()  # waits until every worker, the client included, is done
+
+
+# -- the model -----------------------------------------------------------------
+class Model(nn.Module):
+    def __init__(self, dim: int, width: int, classes: int, experts: Sequence[nn.Module],
+                 **moe_options: Any) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim, width)
+        self.moe = MixtureOfExperts(list(experts), width, **moe_options)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        h, aux = self.moe(torch.relu(self.embed(x)))
+        return self.head(h), aux
+
+
+class SequentialMixture(nn.Module):
+    """The same routing with experts called one after another under plain
+    autograd: what the step costs without this project."""
+
+    def __init__(self, moe: MixtureOfExperts) -> None:
+        super().__init__()
+        self.moe = moe
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        moe = self.moe
+        logits = moe.gate(x)
+        top_logits, top = logits.topk(moe.k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(moe.experts):
+            rows, slots = (top == e).nonzero(as_tuple=True)
+            if len(rows):
+                y = y.index_add(0, rows, expert(x[rows]) * weights[rows, slots, None])
+        return y, torch.zeros(())
+
+
+def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, label: str,
+           quiet: bool) -> List[float]:
+    """Trains with the fault-tolerant layer; returns the step times (s)."""
+    from tqdm import tqdm
+
+    # Remote experts hold no parameters here: their servers step them.
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    times: List[float] = []
+    bar = tqdm(range(steps), desc=label, disable=quiet, ncols=90, file=sys.stdout)
+    for _ in bar:
+        x, y = task.batch(batch)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits, aux = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        (loss + 0.01 * aux).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        acc = (logits.argmax(-1) == y).float().mean().item()
+        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
+    return times
+
+
+def _time_sequential(model: Model, task: RegionTask, steps: int, batch: int
+                     ) -> Tuple[List[float], int]:
+    """Forward+backward of the same model with plain sequential autograd; returns
+    step times and how many steps an expert failure crashed."""
+    sequential = SequentialMixture(model.moe)
+    times: List[float] = []
+    crashed = 0
+    for _ in range(steps):
+        x, y = task.batch(batch)
+        start = time.perf_counter()
+        try:
+            h, _ = sequential(torch.relu(model.embed(x)))
+            nn.functional.cross_entropy(model.head(h), y).backward()
+        except Exception:  # noqa: BLE001 - an injected expert failure
+            crashed += 1
+            continue
+        times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    return times, crashed
+
+
+def _evaluate(model: Model, task: RegionTask) -> Tuple[float, float]:
+    x, y = task.batch(4096)
+    model.eval()
+    with torch.no_grad():
+        logits, _ = model(x)
+    model.train()
+    loss = nn.functional.cross_entropy(logits, y).item()
+    return loss, (logits.argmax(-1) == y).float().mean().item()
+
+
+def _median_ms(times: Sequence[float]) -> float:
+    return statistics.median(times[2:] or times) * 1000 if times else float("nan")
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moe_autograd demo", description=__doc__.split("\n")[0])
+    p.add_argument("--local-experts", type=int, default=4, help="experts in this process")
+    p.add_argument("--servers", type=int, default=2, help="expert server processes (0: none)")
+    p.add_argument("--steps", type=int, default=300, help="training steps (the duration)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--latency", type=float, default=0.004,
+                   help="seconds every expert call sleeps, emulating a heavier expert")
+    p.add_argument("--fail-rate", type=float, default=0.1,
+                   help="probability that the flaky remote expert raises")
+    p.add_argument("--slow-rate", type=float, default=0.1,
+                   help="probability that the slow remote expert stalls")
+    p.add_argument("--slow-for", type=float, default=0.5, help="how long a stall lasts (s)")
+    p.add_argument("--forward-timeout", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    return p.parse_args(argv)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # experts overlap on threads; leave the cores to them
+    dim, width, classes, lr = 8, 32, 4, 3e-3
+    task = RegionTask(dim, classes, args.seed)
+    world_size = args.servers + 1
+    port = _free_port()
+    ctx = mp.get_context("spawn")
+    server_args = {"width": width, "latency": args.latency, "fail_rate": args.fail_rate,
+                   "slow_rate": args.slow_rate, "slow_for": args.slow_for, "lr": lr}
+    servers = [ctx.Process(target=_serve, args=(rank, world_size, port, server_args),
+                           name=f"moe_autograd-demo-server{rank - 1}", daemon=True)
+               for rank in range(1, world_size)]
+    rpc_up = False
+    try:
+        for proc in servers:
+            proc.start()
+        remote: List[nn.Module] = []
+        if servers:
+            import torch.distributed.rpc as rpc
+
+            from .remote import RemoteExpert
+
+            print(f"starting {len(servers)} expert servers on 127.0.0.1:{port} ...", flush=True)
+            options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
+                                                      num_worker_threads=16, rpc_timeout=60)
+            rpc.init_rpc("client", rank=0, world_size=world_size, rpc_backend_options=options)
+            rpc_up = True
+            remote = [RemoteExpert(f"server{i}", f"expert{j}",
+                                   forward_timeout=args.forward_timeout, backward_timeout=5.0)
+                      for i in range(len(servers)) for j in range(2)]
+        local = [Expert(width, args.latency) for _ in range(args.local_experts)]
+        experts = local + remote
+        model = Model(dim, width, classes, experts, k=2, k_min=1,
+                      forward_timeout=args.forward_timeout, backward_timeout=5.0,
+                      allow_zero_outputs=True, detect_anomalies=True)
+        print(f"model: embed -> MixtureOfExperts({len(local)} local + {len(remote)} remote "
+              f"experts, k=2) -> head; task: {classes} classes, 4 regions with their own rules")
+        times = _train(model, task, args.steps, args.batch, lr, "moe_autograd", args.quiet)
+        loss, acc = _evaluate(model, task)
+        sequential_times, crashed = _time_sequential(model, task, min(30, args.steps), args.batch)
+
+        single = Model(dim, width, classes, [Expert(width, 0.0)], k=1)
+        _train(single, task, args.steps, args.batch, lr, "one expert  ", args.quiet)
+        single_loss, single_acc = _evaluate(single, task)
+
+        totals = model.moe.expert_stats.totals()
+        ours, seq = _median_ms(times), _median_ms(sequential_times)
+        print()
+        print(f"accuracy      mixture {acc:6.1%} (loss {loss:.3f})   "
+              f"one expert {single_acc:6.1%} (loss {single_loss:.3f})")
+        print(f"step time     parallel {ours:7.1f} ms   sequential autograd {seq:7.1f} ms   "
+              f"({seq / ours:.1f}x faster)")
+        print(f"absorbed      {totals['failures']} expert failures, {totals['timeouts']} "
+              f"timeouts, {totals['non_finite']} non-finite outputs, "
+              f"{totals['backward_failures'] + totals['backward_timeouts']} backward failures "
+              f"over {totals['calls']} expert calls")
+        if crashed:
+            print(f"              (sequential autograd crashed on {crashed} of "
+                  f"{min(30, args.steps)} steps)")
+        return 0
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        if rpc_up:
+            import torch.distributed.rpc as rpc
+            try:
+                rpc.shutdown(graceful=all(p.is_alive() for p in servers))
+            except Exception:  # noqa: BLE001 - tearing down anyway
+                pass
+        for proc in servers:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()

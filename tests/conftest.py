@@ -1,0 +1,93 @@
+"""Fixtures shared by the runtime tests (executor, autograd, parallel, stress)."""
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+import pytest
+
+from moe_autograd import executor
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER_PREFIX = "moe_autograd-worker-"
+
+
+@pytest.fixture
+def fresh_pool(monkeypatch: pytest.MonkeyPatch) -> Callable[[int], executor.WorkerPool]:
+    """``fresh_pool(n)`` installs a new ``WorkerPool(n)`` as the process-wide
+    pool for the duration of the test, and shuts it down afterwards."""
+    pools: List[executor.WorkerPool] = []
+
+    def make(n: int) -> executor.WorkerPool:
+        pool = executor.WorkerPool(n)
+        monkeypatch.setattr(executor, "_pool", pool)
+        pools.append(pool)
+        return pool
+
+    yield make
+    for pool in pools:
+        pool.shutdown()
+
+
+def _run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float = 90) -> str:
+    """Runs ``code`` in a fresh interpreter (the pool is process-wide) and
+    returns its stdout; fails the test on a non-zero exit."""
+    full_env = dict(os.environ)
+    full_env.pop("MOE_AUTOGRAD_WORKERS", None)
+    full_env.update(env or {})
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=full_env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+    )
+    assert proc.returncode == 0, f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def _wait_dead(refs, timeout: float = 5.0) -> List[bool]:
+    """Collects garbage until every weakref in ``refs`` is dead or ``timeout``
+    passes (a worker may still be dropping its last reference to a finished
+    group); returns which refs are still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        gc.collect()
+        alive = [r() is not None for r in refs]
+        if not any(alive) or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def thread_guard():
+    """Asserts after the test that it left no thread behind but pool workers,
+    and that the process-wide pool stayed within its bound."""
+    before = set(threading.enumerate())
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        extra = [t for t in threading.enumerate()
+                 if t not in before and t.is_alive() and not t.name.startswith(WORKER_PREFIX)]
+        if not extra or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert not extra, f"threads leaked: {extra}"
+    pool = executor._pool
+    if pool is not None:
+        workers = [t for t in threading.enumerate() if t.name.startswith(WORKER_PREFIX)]
+        assert len(pool.threads) <= pool.max_workers
+        assert set(pool.threads) >= {t for t in workers if t not in before}
+
+
+@pytest.fixture
+def run_python() -> Callable[..., str]:
+    """``run_python(code, env=None, timeout=90)``: see :func:`_run_python`."""
+    return _run_python
+
+
+@pytest.fixture
+def wait_dead() -> Callable[..., List[bool]]:
+    """``wait_dead(refs, timeout=5.0)``: see :func:`_wait_dead`."""
+    return _wait_dead
