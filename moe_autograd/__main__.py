@@ -32,7 +32,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, help in COMMANDS.items():
         commands.add_parser(name, help=help, add_help=False)
     command = parser.parse_args(args[:1]).command  # the rest belongs to the command
-    return int(_entry(command)(args[1:]) or 0)
+    try:
+        entry = _entry(command)
+    except ModuleNotFoundError as error:
+        if not (error.name or "").startswith(__package__ or "moe_autograd"):
+            raise  # a missing third-party dependency: show the real traceback
+        parser.error(f"{command!r} is not available in this checkout ({error})")
+    return int(entry(args[1:]) or 0)
 
 
 if __name__ == "__main__":

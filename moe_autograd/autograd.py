@@ -27,7 +27,7 @@ Invariants:
 """
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -80,22 +80,34 @@ FunctionType = Type[torch.autograd.Function]
 
 
 def _detach_args(args: Sequence[Any]) -> Tuple[Any, ...]:
-    return tuple(
+    return tuple([
         a.detach().requires_grad_(a.requires_grad) if isinstance(a, Tensor) else a for a in args
-    )
+    ])
+
+
+_uses_setup_context: Dict[FunctionType, bool] = {}
+
+
+def _has_setup_context(func: FunctionType) -> bool:
+    """Whether ``func`` is a new-style Function (forward without ctx)."""
+    try:
+        return _uses_setup_context[func]
+    except KeyError:
+        value = _uses_setup_context[func] = _is_setup_context_defined(func.setup_context)
+        return value
 
 
 def run_isolated_forward(func: FunctionType, *args: Any) -> Tuple[EmulatedAutogradContext, Any]:
     """Runs ``func.forward`` under no_grad on detached copies of the tensor
     arguments (``requires_grad`` preserved); returns ``(ctx, outputs)``."""
     ctx = EmulatedAutogradContext(
-        tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        tuple([isinstance(a, Tensor) and a.requires_grad for a in args])
     )
     detached = _detach_args(args)
     grad_was_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # torch.no_grad() costs more than the call
     try:
-        if _is_setup_context_defined(func.setup_context):
+        if _has_setup_context(func):
             outputs = func.forward(*detached)
             func.setup_context(ctx, detached, outputs)
         else:

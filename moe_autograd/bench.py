@@ -232,13 +232,15 @@ class _PoolCall(torch.autograd.Function):
     engine runs these nodes one after another."""
 
     @staticmethod
-    def forward(ctx: Any, func: Any, pool: ThreadPoolExecutor, *args: Tensor) -> Any:  # type: ignore[override]
+    def forward(ctx: Any, func: Any, pool: ThreadPoolExecutor,  # type: ignore[override]
+                *args: Tensor) -> Any:
         inner_ctx, outputs = run_isolated_forward(func, *args)
         ctx.inner = (func, inner_ctx, pool)
         return outputs
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def backward(ctx: Any,  # type: ignore[override]
+                 *grads: Tensor) -> Tuple[Optional[Tensor], ...]:
         func, inner_ctx, pool = ctx.inner
         return (None, None, *pool.submit(run_isolated_backward, func, inner_ctx, *grads).result())
 
@@ -263,7 +265,8 @@ def bench_latency(quick: bool) -> List[Row]:
         torch.autograd.backward(outs, grads)
 
     try:
-        s = measure({"ours": ours, "naive": naive, "sequential": sequential}, plan.reps, plan.warmup)
+        variants = {"ours": ours, "naive": naive, "sequential": sequential}
+        s = measure(variants, plan.reps, plan.warmup)
     finally:
         pool.shutdown()
     s["limit"] = [limit_ms] * len(s["ours"])
@@ -494,7 +497,8 @@ def _from_dict(d: Mapping[str, Any]) -> Row:
     ratio = _number(d.get("ratio"))
     if ratio is None and baseline and ours is not None:
         ratio = ours / baseline
-    row = _row(str(d.get("name", "?")), baseline, ours, ratio, d.get("goal"), str(d.get("note") or ""))
+    row = _row(str(d.get("name", "?")), baseline, ours, ratio, d.get("goal"),
+               str(d.get("note") or ""))
     if isinstance(d.get("met"), bool):
         row.met = d["met"]
     return row
@@ -586,7 +590,12 @@ def machine_info(quick: bool) -> List[Tuple[str, str]]:
 def _fmt(value: Optional[float], unit: str = "") -> str:
     if value is None or not math.isfinite(value):
         return "-"
-    text = f"{value:.1f}" if abs(value) >= 100 else f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
+    if abs(value) >= 100:
+        text = f"{value:.1f}"
+    elif abs(value) >= 1:
+        text = f"{value:.2f}"
+    else:
+        text = f"{value:.3g}"
     return f"{text} {unit}" if unit else text
 
 
@@ -599,7 +608,8 @@ def _cells(row: Row) -> List[str]:
 HEADERS = ["name", "baseline", "ours", "ratio", "goal", "met?", "note"]
 
 
-def format_text(info: Sequence[Tuple[str, str]], rows: Sequence[Row], notes: Sequence[str]) -> str:
+def format_text(info: Sequence[Tuple[str, str]], rows: Sequence[Row],
+                notes: Sequence[str]) -> str:
     lines = [f"{label + ':':<22}{value}" for label, value in info]
     lines.append("ratio = ours / baseline (lower is better); times are medians, "
                  "ratios medians of paired repetitions")
@@ -607,7 +617,8 @@ def format_text(info: Sequence[Tuple[str, str]], rows: Sequence[Row], notes: Seq
     table = [HEADERS] + [_cells(r) for r in rows]
     widths = [max(len(line[k]) for line in table) for k in range(len(HEADERS) - 1)]
     for k, line in enumerate(table):
-        cols = [c.ljust(w) if j in (0, 4, 5) else c.rjust(w) for j, (c, w) in enumerate(zip(line, widths))]
+        cols = [c.ljust(w) if j in (0, 4, 5) else c.rjust(w)  # text left, numbers right
+                for j, (c, w) in enumerate(zip(line, widths))]
         lines.append("  ".join(cols + [line[-1]]).rstrip())
         if k == 0:
             lines.append("  ".join("-" * w for w in widths) + "  ----")
@@ -617,7 +628,8 @@ def format_text(info: Sequence[Tuple[str, str]], rows: Sequence[Row], notes: Seq
     return "\n".join(lines)
 
 
-def format_markdown(info: Sequence[Tuple[str, str]], rows: Sequence[Row], notes: Sequence[str]) -> str:
+def format_markdown(info: Sequence[Tuple[str, str]], rows: Sequence[Row],
+                    notes: Sequence[str]) -> str:
     def esc(text: str) -> str:
         return text.replace("|", "\\|")
     lines = [f"- **{label}**: {esc(value)}" for label, value in info]
@@ -645,7 +657,8 @@ def run_benchmarks(groups: Sequence[str], quick: bool,
         try:
             produced = GROUPS[group](quick)
         except Exception as error:  # one broken group must not lose the others' numbers
-            produced = [_row(group, None, None, None, note=f"FAILED: {type(error).__name__}: {error}")]
+            why = f"FAILED: {type(error).__name__}: {error}"
+            produced = [_row(group, None, None, None, note=why)]
         if progress is not None:
             progress(f"{group} done in {time.perf_counter() - start:.1f} s")
         rows.extend(produced)

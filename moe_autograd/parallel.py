@@ -324,12 +324,12 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     checkpointed = [c for c in calls if c.checkpoint]
     for call, outs in zip(calls, attached):
         if call.checkpoint:
-            for out in outs:
-                setattr(out, _CALLS_ATTR, checkpointed)
             differentiable = [k for k, o in enumerate(outs) if o.requires_grad]
             if differentiable:
                 k = differentiable[0]
                 outs[k] = _hook_recompute(outs[k], [call])
+            for out in outs:  # what recompute_early looks for
+                setattr(out, _CALLS_ATTR, checkpointed)
         results.append(call.rebuild(outs))
     return results
 

@@ -1,0 +1,774 @@
+"""parallel_apply: equality with a sequential loop under plain autograd (float64),
+concurrency of forward and backward, errors, thread-local state, lifetime."""
+import copy
+import functools
+import json
+import threading
+import time
+import weakref
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.autograd import Function
+
+from moe_autograd import map_with_parallel_backward, parallel_apply
+
+DT = torch.float64
+
+
+class Expert(nn.Module):
+    def __init__(self, d_in=4, d_hidden=6, d_out=4, seed=0):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden).to(DT)
+        self.fc2 = nn.Linear(d_hidden, d_out).to(DT)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, dtype=DT, generator=g) * 0.5)
+
+    def forward(self, x, scale=None):
+        h = torch.tanh(self.fc1(x))
+        if scale is not None:
+            h = h * scale
+        return self.fc2(h)
+
+
+def randn(*shape, seed, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, dtype=DT, generator=g).requires_grad_(requires_grad)
+
+
+def clone_leaf(t):
+    return t.detach().clone().requires_grad_(t.requires_grad)
+
+
+def tensors_in(tree):
+    return [t for t in torch.utils._pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def weighted_loss(outputs, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    total = torch.zeros((), dtype=DT)
+    for out in tensors_in(outputs):
+        if out.requires_grad:
+            total = total + (out * torch.randn(out.shape, dtype=out.dtype, generator=g)).sum()
+    return total
+
+
+def close(a, b):
+    if a is None or b is None:
+        assert a is None and b is None
+    else:
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def assert_trees_close(got, want):
+    g_leaves, g_spec = torch.utils._pytree.tree_flatten(got)
+    w_leaves, w_spec = torch.utils._pytree.tree_flatten(want)
+    assert g_spec == w_spec
+    for a, b in zip(g_leaves, w_leaves):
+        if isinstance(b, Tensor):
+            assert isinstance(a, Tensor) and a.dtype == b.dtype and a.requires_grad == b.requires_grad
+            close(a, b)
+        else:
+            assert a == b
+
+
+def params_of(modules):
+    seen, out = set(), []
+    for m in modules:
+        if isinstance(m, nn.Module):
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
+def check_against_sequential(build, make_inputs, kwargs=None, seed=0):
+    """``build()`` -> (modules, owners) where owners are the nn.Modules whose
+    parameters matter; both runs get fresh copies of modules and inputs."""
+    modules, owners = build()
+    ref_owners = copy.deepcopy(owners)
+    ref_modules = [ref_owners[owners.index(m)] if m in owners else m for m in modules]
+    inputs = make_inputs()
+    ref_inputs = [tuple(clone_leaf(a) if isinstance(a, Tensor) else a for a in args)
+                  if isinstance(args, tuple) else clone_leaf(args) for args in inputs]
+
+    got = parallel_apply(modules, inputs, kwargs)
+    want = []
+    for m, args, kw in zip(ref_modules, ref_inputs, kwargs or [None] * len(modules)):
+        args = args if isinstance(args, tuple) else (args,)
+        want.append(m(*args, **(kw or {})))
+    assert isinstance(got, list) and len(got) == len(want)
+    assert_trees_close(got, want)
+
+    weighted_loss(got, seed).backward()
+    weighted_loss(want, seed).backward()
+    for a, b in zip(tensors_in(inputs), tensors_in(ref_inputs)):
+        close(a.grad, b.grad)
+    for p, q in zip(params_of(owners), params_of(ref_owners)):
+        close(p.grad, q.grad)
+    return got
+
+
+# -- equality with sequential autograd -------------------------------------------------------
+
+def test_modules_shared_modules_and_callables_match_sequential():
+    def build():
+        e0, e1 = Expert(seed=0), Expert(seed=1)
+        modules = [e0, e1, e0, functools.partial(lambda m, x: m(x).relu(), e1),
+                   lambda x: (x * 2).sin(), e0]
+        # callables close over the owners, so check_against_sequential cannot copy
+        # them: give the copy its own callables by rebuilding from the copies.
+        return modules, [e0, e1]
+
+    # callables bound to e1 are re-bound for the reference run below
+    e0, e1 = Expert(seed=0), Expert(seed=1)
+    r0, r1 = copy.deepcopy(e0), copy.deepcopy(e1)
+
+    def experts(a, b):
+        return [a, b, a, functools.partial(lambda m, x: m(x).relu(), b),
+                lambda x: (x * 2).sin(), a]
+
+    xs = [randn(3, 4, seed=i) for i in range(6)]
+    ref_xs = [clone_leaf(x) for x in xs]
+    got = parallel_apply(experts(e0, e1), xs)
+    want = [m(x) for m, x in zip(experts(r0, r1), ref_xs)]
+    assert_trees_close(got, want)
+    weighted_loss(got).backward()
+    weighted_loss(want).backward()
+    for x, r in zip(xs, ref_xs):
+        close(x.grad, r.grad)
+    for p, q in zip(params_of([e0, e1]), params_of([r0, r1])):
+        assert p.grad is not None
+        close(p.grad, q.grad)
+
+
+def test_same_input_tensor_in_every_call():
+    e = Expert(seed=3)
+    x = randn(5, 4, seed=1)
+    check_against_sequential(lambda: ([e, e, e, e], [e]), lambda: [x] * 4)
+
+
+def test_tuple_inputs_kwargs_and_pytree_outputs():
+    class Router(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.expert = Expert(seed=seed)
+            self.gate = nn.Parameter(torch.ones(4, dtype=DT) * (seed + 1))
+
+        def forward(self, x, y, k, *, scale, bias=None):
+            out = self.expert(x, scale=scale) * self.gate
+            return {
+                "out": out + (bias if bias is not None else 0),
+                "aux": (y * k, "label", None),
+                "index": out.argmax(-1),          # integer output: not differentiable
+                "const": torch.ones(2, dtype=DT),  # output without a graph
+            }
+
+    r0, r1 = Router(0), Router(1)
+    scale = randn(6, seed=9)
+    bias = randn(4, seed=10)
+    kwargs = [{"scale": scale, "bias": bias}, {"scale": scale}, {"scale": 2.0}]
+    got = check_against_sequential(
+        lambda: ([r0, r1, r0], [r0, r1]),
+        lambda: [(randn(2, 4, seed=i), randn(3, seed=10 + i), 0.5 * i) for i in range(3)],
+        kwargs,
+    )
+    assert got[0]["aux"][1:] == ("label", None)
+    assert got[0]["index"].dtype == torch.int64 and not got[0]["index"].requires_grad
+    assert not got[1]["const"].requires_grad
+    # kwargs tensors get their gradients too (the reference used the same tensors)
+    assert scale.grad is not None and bias.grad is not None
+
+
+def test_kwargs_tensor_gradients_match_sequential():
+    e = Expert(seed=4)
+    r = copy.deepcopy(e)
+    s, rs = randn(6, seed=1), randn(6, seed=1)
+    xs = [randn(2, 4, seed=i) for i in range(3)]
+    got = parallel_apply([e] * 3, xs, [{"scale": s}] * 3)
+    want = [r(clone_leaf(x), scale=rs) for x in xs]
+    weighted_loss(got).backward()
+    weighted_loss(want).backward()
+    close(s.grad, rs.grad)
+    for p, q in zip(e.parameters(), r.parameters()):
+        close(p.grad, q.grad)
+
+
+def test_gradients_accumulate_into_existing_grad():
+    e = Expert(seed=5)
+    r = copy.deepcopy(e)
+    for p, q in zip(e.parameters(), r.parameters()):
+        p.grad = torch.full_like(p, 0.25)
+        q.grad = torch.full_like(q, 0.25)
+    x = randn(3, 4, seed=2)
+    rx = clone_leaf(x)
+    x.grad = torch.ones_like(x)
+    rx.grad = torch.ones_like(rx)
+    weighted_loss(parallel_apply([e, e], [x, x * 2])).backward()
+    weighted_loss([r(rx), r(rx * 2)]).backward()
+    close(x.grad, rx.grad)
+    for p, q in zip(e.parameters(), r.parameters()):
+        close(p.grad, q.grad)
+
+
+def test_parameter_only_gradients_reach_parameters():
+    experts = [Expert(seed=i) for i in range(3)]
+    refs = copy.deepcopy(experts)
+    xs = [randn(2, 4, seed=i, requires_grad=False) for i in range(3)]
+    got = parallel_apply(experts, xs)
+    assert all(o.requires_grad for o in got)
+    weighted_loss(got).backward()
+    weighted_loss([r(x) for r, x in zip(refs, xs)]).backward()
+    for p, q in zip(params_of(experts), params_of(refs)):
+        assert p.grad is not None
+        close(p.grad, q.grad)
+
+
+def test_partially_differentiable_calls():
+    e = Expert(seed=7)
+    frozen = Expert(seed=8).requires_grad_(False)
+    x = randn(2, 4, seed=1)
+    check_against_sequential(
+        lambda: ([frozen, e, lambda t: t.detach() * 3, frozen, nn.Identity()], [e, frozen]),
+        lambda: [randn(2, 4, seed=5, requires_grad=False), x, x, x, x],
+    )
+
+
+def test_module_returning_its_input_or_the_same_tensor_twice():
+    w = nn.Parameter(torch.ones(4, dtype=DT) * 3)
+    holder = nn.Module()
+    holder.w = w
+
+    def twice(x):
+        y = x * w
+        return y, y
+
+    def param(x):
+        return w
+
+    check_against_sequential(
+        lambda: ([nn.Identity(), twice, param, twice], [holder]),
+        lambda: [randn(4, seed=i) for i in range(4)],
+    )
+
+
+def test_all_outputs_hang_off_one_node():
+    e = Expert(seed=0)
+    outs = parallel_apply([e, e, e], [randn(2, 4, seed=i) for i in range(3)])
+    assert len({id(o.grad_fn) for o in outs}) == 1
+
+
+def test_retain_graph_allows_a_second_backward():
+    e = Expert(seed=1)
+    r = copy.deepcopy(e)
+    xs = [randn(2, 4, seed=i) for i in range(3)]
+    rxs = [clone_leaf(x) for x in xs]
+    loss = weighted_loss(parallel_apply([e] * 3, xs))
+    ref = weighted_loss([r(x) for x in rxs])
+    loss.backward(retain_graph=True)
+    ref.backward(retain_graph=True)
+    loss.backward()
+    ref.backward()
+    for x, rx in zip(xs, rxs):
+        close(x.grad, rx.grad)
+    for p, q in zip(e.parameters(), r.parameters()):
+        close(p.grad, q.grad)
+    with pytest.raises(RuntimeError):  # the graph is freed now, as with plain autograd
+        loss.backward()
+
+
+def test_torch_autograd_grad_does_not_touch_inputs_grad():
+    e = Expert(seed=2)
+    r = copy.deepcopy(e)
+    x = randn(3, 4, seed=3)
+    rx = clone_leaf(x)
+    (gx,) = torch.autograd.grad(weighted_loss(parallel_apply([e, e], [x, x])), [x])
+    (rgx,) = torch.autograd.grad(weighted_loss([r(rx), r(rx)]), [rx])
+    close(gx, rgx)
+    assert x.grad is None
+
+
+def test_no_grad_keeps_no_graph():
+    e = Expert(seed=3)
+    x = randn(2, 4, seed=4)
+    with torch.no_grad():
+        outs = parallel_apply([e, e, lambda t: t * 2], [x, x, x])
+        want = [e(x), e(x), x * 2]
+    for o, w in zip(outs, want):
+        assert o.grad_fn is None and not o.requires_grad
+        close(o, w)
+
+
+def test_inference_mode_reaches_workers():
+    e = Expert(seed=3)
+    x = randn(2, 4, seed=4, requires_grad=False)
+    with torch.inference_mode():
+        outs = parallel_apply([e, e], [x, x])
+    assert all(o.is_inference() for o in outs)
+    outs = parallel_apply([e, e], [x, x])
+    assert not any(o.is_inference() for o in outs)
+
+
+def test_checkpointed_calls_match_sequential():
+    experts = [Expert(seed=i) for i in range(3)]
+    refs = copy.deepcopy(experts)
+    xs = [randn(2, 4, seed=i) for i in range(3)]
+    rxs = [clone_leaf(x) for x in xs]
+    got = parallel_apply(experts, xs, checkpoint=True)
+    want = [r(x) for r, x in zip(refs, rxs)]
+    for a, b in zip(got, want):
+        close(a, b)
+    weighted_loss(got).backward()
+    weighted_loss(want).backward()
+    for x, rx in zip(xs, rxs):
+        close(x.grad, rx.grad)
+    for p, q in zip(params_of(experts), params_of(refs)):
+        close(p.grad, q.grad)
+
+
+def test_expert_modifying_its_input_in_place_matches_sequential():
+    # e.g. an expert that starts with an in-place activation; plain autograd
+    # allows it because the caller's input is not a leaf.
+    e = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4).to(DT))
+    r = copy.deepcopy(e)
+    a = randn(2, 4, seed=0)
+    ra = clone_leaf(a)
+    got = parallel_apply([e], [a * 2])
+    want = [r(ra * 2)]
+    close(got[0], want[0])
+    weighted_loss(got).backward()
+    weighted_loss(want).backward()
+    close(a.grad, ra.grad)
+
+
+def test_length_mismatch_is_a_value_error():
+    with pytest.raises(ValueError):
+        parallel_apply([nn.Identity()] * 2, [torch.ones(1)])
+    with pytest.raises(ValueError):
+        parallel_apply([nn.Identity()] * 2, [torch.ones(1)] * 2, [{}])
+    assert parallel_apply([], []) == []
+
+
+# -- double backward -------------------------------------------------------------------------
+
+def test_double_backward_raises_or_is_exact():
+    x = randn(3, 4, seed=0)
+    y = torch.tanh(x)
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    (expected,) = torch.autograd.grad(y.sum() + (g * g).sum(), x)
+
+    (y,) = parallel_apply([torch.tanh], [x])
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    try:
+        (got,) = torch.autograd.grad(y.sum() + (g * g).sum(), x)
+    except RuntimeError as error:
+        assert "differentiate twice" in str(error) or "once_differentiable" in str(error)
+    else:
+        close(got, expected)
+
+    (y,) = parallel_apply([torch.tanh], [x])
+    (g,) = torch.autograd.grad((y * y).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|once_differentiable"):
+        g.sum().backward()
+
+
+# -- concurrency -----------------------------------------------------------------------------
+
+class _BackwardBarrier(Function):
+    @staticmethod
+    def forward(ctx, x, barrier):
+        ctx.barrier = barrier
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.barrier.wait()
+        return g, None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("n", [8, 16])
+def test_forwards_and_backwards_all_run_concurrently(n):
+    forward_barrier = threading.Barrier(n, timeout=20)
+    backward_barrier = threading.Barrier(n, timeout=20)
+    e = Expert(seed=0)
+    r = copy.deepcopy(e)
+
+    def expert(x):
+        forward_barrier.wait()  # BrokenBarrierError unless all n forwards overlap
+        return _BackwardBarrier.apply(e(x), backward_barrier)
+
+    xs = [randn(2, 4, seed=i) for i in range(n)]
+    rxs = [clone_leaf(x) for x in xs]
+    weighted_loss(parallel_apply([expert] * n, xs)).backward()
+    weighted_loss([r(x) for x in rxs]).backward()
+    for x, rx in zip(xs, rxs):
+        close(x.grad, rx.grad)
+    for p, q in zip(e.parameters(), r.parameters()):
+        close(p.grad, q.grad)
+
+
+@pytest.mark.timeout(60)
+def test_many_user_threads(thread_guard):
+    errors = []
+
+    def user(u):
+        try:
+            experts = [Expert(seed=10 * u + k) for k in range(3)]
+            refs = copy.deepcopy(experts)
+            for it in range(20):
+                n = 1 + (u + it) % 4
+                mods = [experts[k % 3] for k in range(n)]
+                ref_mods = [refs[k % 3] for k in range(n)]
+                xs = [randn(1 + k, 4, seed=1000 * u + 10 * it + k) for k in range(n)]
+                params = params_of(mods)
+                got = torch.autograd.grad(weighted_loss(parallel_apply(mods, xs), it),
+                                          xs + params)
+                ref_xs = [clone_leaf(x) for x in xs]
+                ref_params = params_of(ref_mods)
+                want = torch.autograd.grad(
+                    weighted_loss([m(x) for m, x in zip(ref_mods, ref_xs)], it),
+                    ref_xs + ref_params)
+                for a, b in zip(got, want):
+                    close(a, b)
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=user, args=(u,)) for u in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not any(t.is_alive() for t in threads)
+    assert not errors, errors[0]
+
+
+def _nested_model():
+    class Square(Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    inner = [Expert(seed=s) for s in range(3)]
+
+    def leaf_call(x):
+        (a,), (b,) = map_with_parallel_backward(Square, (x,), (x.sin(),))
+        return a + b
+
+    def middle(x):
+        return sum(parallel_apply([inner[0], inner[1], leaf_call], [x, x, x]))
+
+    def outer(x):
+        return sum(parallel_apply([middle, middle, inner[2]], [x, x * 2, x]))
+
+    return outer, inner
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("workers", [1, 2])
+def test_nested_calls_never_deadlock(fresh_pool, workers):
+    pool = fresh_pool(workers)
+    outer, inner = _nested_model()
+    xs = [randn(2, 4, seed=i) for i in range(4)]
+    got = parallel_apply([outer] * 4, xs)
+    weighted_loss(got).backward()
+    got_grads = [x.grad for x in xs] + [p.grad for p in params_of(inner)]
+    assert len(pool.threads) <= workers
+
+    # the same computation with every call inline (one call per group)
+    for p in params_of(inner):
+        p.grad = None
+    rxs = [clone_leaf(x) for x in xs]
+    want = [outer(x) for x in rxs]  # nested groups still run, but not at this level
+    close_all = list(zip(got, want))
+    for a, b in close_all:
+        close(a, b)
+    weighted_loss(want).backward()
+    for a, b in zip(got_grads, [x.grad for x in rxs] + [p.grad for p in params_of(inner)]):
+        close(a, b)
+
+
+@pytest.mark.timeout(120)
+def test_nested_calls_with_two_workers_in_a_fresh_process(run_python):
+    out = run_python(
+        """
+        import json, threading, torch
+        from torch import nn
+        from moe_autograd import map_with_parallel_backward, parallel_apply
+        from moe_autograd import executor
+
+        class Square(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                ctx.save_for_backward(x)
+                return x * x
+
+            @staticmethod
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                return 2 * x * g
+
+        torch.manual_seed(0)
+        lin = nn.Linear(3, 3).double()
+
+        def leaf_call(x):
+            (a,), (b,) = map_with_parallel_backward(Square, (x,), (x + 1,), )
+            return a + b
+
+        def middle(x):
+            return sum(parallel_apply([lin, leaf_call, leaf_call, lin], [x] * 4))
+
+        def outer(x):
+            return sum(parallel_apply([middle] * 4, [x] * 4))
+
+        x = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
+        outs = parallel_apply([outer] * 4, [x] * 4)
+        sum(o.sum() for o in outs).backward()
+        got = (x.grad.clone(), lin.weight.grad.clone())
+
+        # sequential reference, without the runtime
+        x.grad = None
+        lin.weight.grad = None
+        def leaf_ref(x):
+            return Square.apply(x) + Square.apply(x + 1)
+        def middle_ref(x):
+            return lin(x) + leaf_ref(x) + leaf_ref(x) + lin(x)
+        sum((4 * middle_ref(x)).sum() for _ in range(4)).backward()
+        ok = torch.allclose(got[0], x.grad) and torch.allclose(got[1], lin.weight.grad)
+        workers = [t.name for t in threading.enumerate()
+                   if t.name.startswith("moe_autograd-worker-")]
+        print(json.dumps({"ok": ok, "workers": workers,
+                          "max": executor.get_pool().max_workers}))
+        """,
+        env={"MOE_AUTOGRAD_WORKERS": "2"},
+        timeout=100,
+    )
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["max"] == 2
+    assert report["ok"] is True
+    assert 1 <= len(report["workers"]) <= 2
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+class Injected(Exception):
+    pass
+
+
+class _FailInBackward(Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise Injected("backward failed")
+
+
+@pytest.mark.timeout(30)
+def test_forward_error_names_call_and_joins_others():
+    finished, lock = [], threading.Lock()
+
+    def expert(i):
+        def run(x):
+            if i == 1:
+                raise Injected(f"forward {i}")
+            time.sleep(0.05)
+            with lock:
+                finished.append(i)
+            return x * i
+        return run
+
+    x = randn(3, seed=0)
+    with pytest.raises(Injected, match="forward 1") as info:
+        parallel_apply([expert(i) for i in range(5)], [x] * 5)
+    assert any("call 1 of 5" in note for note in info.value.__notes__)
+    assert sorted(finished) == [0, 2, 3, 4]
+    time.sleep(0.1)
+    assert len(finished) == 4
+
+
+@pytest.mark.timeout(30)
+def test_backward_error_names_call_and_joins_others():
+    finished, lock = [], threading.Lock()
+
+    class Slow(Function):
+        @staticmethod
+        def forward(ctx, x, i):
+            ctx.i = i
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            time.sleep(0.05)
+            with lock:
+                finished.append(ctx.i)
+            return g, None
+
+    def expert(i):
+        def run(x):
+            if i == 2:
+                return _FailInBackward.apply(x * 2)
+            return Slow.apply(x * 2, i)
+        return run
+
+    x = randn(3, seed=0)
+    outs = parallel_apply([expert(i) for i in range(5)], [x] * 5)
+    with pytest.raises(Injected, match="backward failed") as info:
+        sum(o.sum() for o in outs).backward()
+    assert any("call 2 of 5" in note for note in info.value.__notes__)
+    assert sorted(finished) == [0, 1, 3, 4]
+    time.sleep(0.1)
+    assert len(finished) == 4
+
+
+# -- thread-local state ----------------------------------------------------------------------
+
+def test_autocast_reaches_workers_and_is_restored():
+    w = torch.randn(4, 4)
+
+    def expert(x):
+        return x @ w
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = parallel_apply([expert] * 4, [x] * 4)
+        want = expert(x)
+    assert want.dtype == torch.bfloat16
+    assert all(o.dtype == torch.bfloat16 for o in outs)
+    for o in outs:
+        torch.testing.assert_close(o, want)
+    sum(o.float().sum() for o in outs).backward()
+    assert x.grad is not None and x.grad.dtype == torch.float32
+    outs = parallel_apply([expert] * 4, [x] * 4)
+    assert all(o.dtype == torch.float32 for o in outs)
+
+
+def test_saved_tensors_hooks_see_the_workers_saved_tensors():
+    e = Expert(seed=0)
+    x = randn(2, 4, seed=1)
+
+    def recorder(log):
+        def pack(t):
+            log.append(("pack", tuple(t.shape), threading.current_thread().name))
+            return t
+
+        def unpack(t):
+            log.append(("unpack", tuple(t.shape), threading.current_thread().name))
+            return t
+        return pack, unpack
+
+    seq_log = []
+    with torch.autograd.graph.saved_tensors_hooks(*recorder(seq_log)):
+        ref = e(x)
+    ref.sum().backward()
+    seq_packs = sorted(s for kind, s, _ in seq_log if kind == "pack")
+    assert seq_packs
+
+    log = []
+    with torch.autograd.graph.saved_tensors_hooks(*recorder(log)):
+        outs = parallel_apply([e, e, e], [x, x, x])
+    sum(o.sum() for o in outs).backward()
+    packs = sorted(s for kind, s, _ in log if kind == "pack" and 0 not in s)
+    assert packs == sorted(seq_packs * 3)
+    assert any(name.startswith("moe_autograd-worker-") for kind, _, name in log if kind == "pack")
+    unpacks = sorted(s for kind, s, _ in log if kind == "unpack" and 0 not in s)
+    assert unpacks == packs
+
+    # outside the context, the workers no longer use the hooks
+    log.clear()
+    outs = parallel_apply([e, e, e], [x, x, x])
+    sum(o.sum() for o in outs).backward()
+    assert log == []
+
+
+def test_copying_saved_tensors_hooks_work():
+    # An offloading-style hook packs a copy of each saved tensor.
+    e = Expert(seed=0)
+    r = copy.deepcopy(e)
+    xs = [randn(2, 4, seed=i) for i in range(3)]
+    rxs = [clone_leaf(x) for x in xs]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        outs = parallel_apply([e] * 3, xs)
+        want = [r(x) for x in rxs]
+    weighted_loss(outs).backward()
+    weighted_loss(want).backward()
+    for x, rx in zip(xs, rxs):
+        close(x.grad, rx.grad)
+    for p, q in zip(e.parameters(), r.parameters()):
+        close(p.grad, q.grad)
+
+
+# -- lifetime --------------------------------------------------------------------------------
+
+def _tracked_expert(refs, seed=0):
+    e = Expert(seed=seed)
+
+    def expert(x):
+        y = e(x)
+        refs.append(weakref.ref(y))
+        return y
+    return expert
+
+
+@pytest.mark.timeout(30)
+def test_local_graph_released_after_backward(wait_dead):
+    refs = []
+    expert = _tracked_expert(refs)
+    outs = parallel_apply([expert] * 4, [randn(2, 4, seed=i) for i in range(4)])
+    assert len(refs) == 4 and all(r() is not None for r in refs)
+    sum(o.sum() for o in outs).backward()
+    # the returned outputs are alive; the calls' local outputs and graphs are not
+    assert not any(wait_dead(refs))
+    assert all(o.grad_fn is not None for o in outs)
+
+
+@pytest.mark.timeout(30)
+def test_local_graph_released_with_the_outputs(wait_dead):
+    refs = []
+    expert = _tracked_expert(refs)
+    outs = parallel_apply([expert] * 3, [randn(2, 4, seed=i) for i in range(3)])
+    del outs
+    assert not any(wait_dead(refs))
+
+
+@pytest.mark.timeout(30)
+def test_local_graph_released_after_failed_backward(wait_dead):
+    refs = []
+    expert = _tracked_expert(refs)
+
+    def failing(x):
+        return _FailInBackward.apply(expert(x))
+
+    outs = parallel_apply([expert, failing, expert], [randn(2, 4, seed=i) for i in range(3)])
+    with pytest.raises(Injected):
+        sum(o.sum() for o in outs).backward()
+    del outs
+    assert not any(wait_dead(refs))
+
+
+@pytest.mark.timeout(60)
+def test_thread_count_stable_over_many_calls(thread_guard):
+    from moe_autograd.executor import get_pool
+
+    e = Expert(seed=0)
+    parallel_apply([e] * 4, [randn(2, 4, seed=0)] * 4)
+    before = threading.active_count()
+    pool = get_pool()
+    for it in range(40):
+        n = 1 + it % 8
+        outs = parallel_apply([e] * n, [randn(2, 4, seed=it)] * n)
+        sum(o.sum() for o in outs).backward()
+    workers = [t for t in threading.enumerate() if t.name.startswith("moe_autograd-worker-")]
+    assert len(workers) <= pool.max_workers
+    assert threading.active_count() <= before + pool.max_workers
