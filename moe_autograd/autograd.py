@@ -40,6 +40,7 @@ from .tls import bind, capture
 __all__ = [
     "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
     "map_with_parallel_backward", "IsolatedCall", "BackwardPolicy", "attach",
+    "accumulates_into_leaves",
 ]
 
 Grads = List[Optional[Tensor]]
@@ -210,6 +211,29 @@ def _identity(x: Any) -> Any:
     return x
 
 
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes the node's input gradients through, connected to the node's
+    inputs, with a backward that raises: with ``create_graph`` the gradients
+    must never be differentiated silently as constants.
+
+    ``torch.autograd.function.once_differentiable`` is not enough here: it
+    guards only when an incoming gradient requires grad, and its error node
+    hangs off fresh leaves, so ``torch.autograd.grad(..., inputs)`` never
+    reaches it. A gradient penalty on ``grad(y.sum(), x, create_graph=True)``
+    would then lose its second-order term without a word."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return tuple(None if g is None else g.view_as(g) for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            "trying to differentiate twice a function that was marked with "
+            "@once_differentiable: the gradients of a parallel call (parallel_apply, "
+            "map_with_parallel_backward) do not support double backward")
+
+
 class _ParallelNode(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, plan: _Plan, phony: Tensor, *inputs: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
@@ -250,13 +274,24 @@ class _ParallelNode(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         plan: _Plan = ctx.plan
         calls = plan.calls
         if calls is None:
             raise RuntimeError(f"{plan.name}: the calls' graphs were already freed; "
                                "pass retain_graph=True to backward twice")
+        if not torch.is_grad_enabled():
+            return _ParallelNode._backward(plan, calls, grad_outputs)
+        # create_graph=True: the gradients come from the calls' own backward
+        # and cannot be differentiated again: make that an error, never a constant.
+        with torch.no_grad():
+            grads = _ParallelNode._backward(plan, calls, grad_outputs)
+        inputs = [t for call in calls for t in call.inputs]
+        return _NoDoubleBackward.apply(len(grads), *grads, *inputs)
+
+    @staticmethod
+    def _backward(plan: _Plan, calls: Sequence[IsolatedCall],
+                  grad_outputs: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
         per_call: List[Grads] = []
         offset = 0
         for call, meta in zip(calls, plan.output_meta):
@@ -287,12 +322,33 @@ def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads
     return grads
 
 
+_backward_mode = threading.local()
+
+
+def accumulates_into_leaves() -> bool:
+    """Inside :meth:`IsolatedCall.backward`: True when the outer backward is a
+    plain ``.backward()``, which accumulates into every leaf, parameters
+    included; False under ``torch.autograd.grad`` or ``backward(inputs=...)``,
+    which compute only what was asked and leave parameters' ``.grad`` alone."""
+    return getattr(_backward_mode, "accumulate", True)
+
+
 def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
     state = capture()
+    # False when the engine computes only some inputs' gradients (the test
+    # reentrant torch.utils.checkpoint makes): then calls must not touch other leaves.
+    accumulate = torch.autograd._is_checkpoint_valid()
 
     def task(i: int) -> Callable[[], Grads]:
         def run() -> Grads:
-            return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+            if accumulate:
+                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+            previous = accumulates_into_leaves()
+            _backward_mode.accumulate = False
+            try:
+                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+            finally:
+                _backward_mode.accumulate = previous
         return bind(state, run)
 
     policy = plan.policy

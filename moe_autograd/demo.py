@@ -9,8 +9,9 @@ What it shows, on one machine with no arguments:
    remote expert is flaky (raises now and then) and one is slow (sometimes
    sleeps past the forward deadline).
 3. It trains on a task a single expert cannot solve: the input space is cut into
-   regions and each region has its own linear labelling rule. A gate can learn
-   the regions, and each expert one rule.
+   regions and each region has its own linear labelling rule. The experts are
+   linear, so one alone is a linear classifier; the gate learns the regions and
+   the mixture becomes piecewise linear.
 4. It reports the loss and accuracy reached (and those of a one-expert model
    trained the same way), the step time against the same model run with plain
    sequential autograd, and the failures and timeouts training absorbed.
@@ -25,6 +26,7 @@ import statistics
 import sys
 import time
 import threading
+import warnings
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -59,7 +61,9 @@ class Expert(nn.Module):
     def __init__(self, width: int, latency: float = 0.0, fail_rate: float = 0.0,
                  slow_rate: float = 0.0, slow_for: float = 0.0) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        # Linear on purpose: one such expert cannot solve the task, a gated
+        # mixture of them (piecewise linear) can.
+        self.net = nn.Linear(width, width)
         self.latency, self.fail_rate = latency, fail_rate
         self.slow_rate, self.slow_for = slow_rate, slow_for
 
@@ -112,6 +116,7 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
     from .remote import ExpertServer
 
     torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     _exit_with_parent()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                               num_worker_threads=16, rpc_timeout=60)
@@ -134,7 +139,7 @@ class Model(nn.Module):
         self.head = nn.Linear(width, classes)
 
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        h, aux = self.moe(torch.relu(self.embed(x)))
+        h, aux = self.moe(self.embed(x))
         return self.head(h), aux
 
 
@@ -167,7 +172,8 @@ def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, la
     # Remote experts hold no parameters here: their servers step them.
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     times: List[float] = []
-    bar = tqdm(range(steps), desc=label, disable=quiet, ncols=90, file=sys.stdout)
+    bar = tqdm(range(steps), desc=label, disable=quiet, ncols=90, file=sys.stdout,
+               mininterval=0.5)
     for _ in bar:
         x, y = task.batch(batch)
         start = time.perf_counter()
@@ -193,7 +199,7 @@ def _time_sequential(model: Model, task: RegionTask, steps: int, batch: int
         x, y = task.batch(batch)
         start = time.perf_counter()
         try:
-            h, _ = sequential(torch.relu(model.embed(x)))
+            h, _ = sequential(model.embed(x))
             nn.functional.cross_entropy(model.head(h), y).backward()
         except Exception:  # noqa: BLE001 - an injected expert failure
             crashed += 1
@@ -238,6 +244,8 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
+    # torch.distributed's own deprecation chatter, raised inside init_rpc.
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # experts overlap on threads; leave the cores to them
     dim, width, classes, lr = 8, 32, 4, 3e-3

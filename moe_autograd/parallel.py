@@ -33,7 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .autograd import BackwardPolicy, Grads, IsolatedCall, attach
+from .autograd import BackwardPolicy, Grads, IsolatedCall, accumulates_into_leaves, attach
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .dependency import fork, join
 from .executor import TaskGroup, get_pool, run_all
@@ -70,6 +70,9 @@ def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
             leaves.append(variable)
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return leaves
+
+
+_COMMIT_LOCK = threading.Lock()
 
 
 class ModuleCall(IsolatedCall):
@@ -181,6 +184,10 @@ class ModuleCall(IsolatedCall):
         if not pairs:
             return [None] * len(self.inputs)
         outs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
+        if not accumulates_into_leaves():
+            # torch.autograd.grad / backward(inputs=...) outside: the inputs'
+            # gradients only, as plain autograd; parameters' .grad untouched.
+            return self._backward_held(outs, grads, params=False)
         if self.hold_param_grads:
             return self._backward_held(outs, grads)
         torch.autograd.backward(outs, grads, retain_graph=True)
@@ -190,22 +197,28 @@ class ModuleCall(IsolatedCall):
             leaf.grad = None  # a retained graph's next backward starts afresh
         return input_grads
 
-    def _backward_held(self, outs: List[Tensor], grads: List[Tensor]) -> Grads:
+    def _backward_held(self, outs: List[Tensor], grads: List[Tensor], params: bool = True) -> Grads:
+        """Input gradients; parameter gradients (``params``) held for commit."""
         inputs = set(map(id, self._grad_leaves))
-        params = [leaf for leaf in _graph_leaves(outs) if id(leaf) not in inputs]
-        targets = self._grad_leaves + params
+        held = [leaf for leaf in _graph_leaves(outs) if id(leaf) not in inputs] if params else []
+        targets = self._grad_leaves + held
+        if not targets:
+            self._held = []
+            return []
         computed = torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True)
         if self.check_finite_grads:
             for g in computed:
                 if g is not None and not bool(torch.isfinite(g).all()):
                     raise FloatingPointError(f"{self.name}: non-finite gradient")
         n = len(self._grad_leaves)
-        self._held = [(p, g) for p, g in zip(params, computed[n:]) if g is not None]
+        self._held = [(p, g) for p, g in zip(held, computed[n:]) if g is not None]
         return list(computed[:n])
 
     def commit(self) -> None:
         held, self._held = self._held, []
-        with torch.no_grad():
+        # Calls of several graphs (user threads) commit into shared parameters
+        # concurrently: the None check and the in-place add must not interleave.
+        with _COMMIT_LOCK, torch.no_grad():
             for param, grad in held:
                 if param.grad is None:
                     param.grad = grad.detach().clone()
@@ -213,6 +226,10 @@ class ModuleCall(IsolatedCall):
                     param.grad += grad
 
     def release(self) -> None:
+        # A checkpointed call outlives release (its outputs' tag and the
+        # Recompute node reference it): drop the caller's input tensors too.
+        self.inputs = []
+        self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None
         self._held = []
@@ -321,7 +338,6 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
         return [call.rebuild(call.outputs) for call in calls]
     attached = attach(calls, policy, name=name, phony_device=calls[0].device)
     results = []
-    checkpointed = [c for c in calls if c.checkpoint]
     for call, outs in zip(calls, attached):
         if call.checkpoint:
             differentiable = [k for k, o in enumerate(outs) if o.requires_grad]
@@ -329,7 +345,7 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
                 k = differentiable[0]
                 outs[k] = _hook_recompute(outs[k], [call])
             for out in outs:  # what recompute_early looks for
-                setattr(out, _CALLS_ATTR, checkpointed)
+                setattr(out, _CALLS_ATTR, (call,))
         results.append(call.rebuild(outs))
     return results
 

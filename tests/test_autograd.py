@@ -19,6 +19,7 @@ from moe_autograd import (
     run_isolated_backward,
     run_isolated_forward,
 )
+from moe_autograd.executor import DEFAULT_WORKERS
 
 DT = torch.float64
 
@@ -682,6 +683,20 @@ def test_double_backward_raises_when_grad_outputs_require_grad():
         g.sum().backward()
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_backward_with_create_graph_gives_first_order_grads():
+    x, y = leaf(3, seed=1), leaf(3, seed=2)
+    results = map_with_parallel_backward(SinSum, (x, 2.0, y), (y,))
+    weighted_loss(flat(results)).backward(create_graph=True)
+    got = (x.grad.detach().clone(), y.grad.detach().clone())
+    # differentiating those gradients again is an error, never a silent constant
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        torch.autograd.grad(x.grad.sum(), x)
+    x.grad = y.grad = None
+    weighted_loss(flat([SinSum.apply(x, 2.0, y), SinSum.apply(y)])).backward()
+    assert_same(got, (x.grad, y.grad))
+
+
 def test_double_backward_is_never_silently_wrong():
     # Gradient-penalty pattern: the incoming gradient (of a sum) does not require
     # grad, yet the input gradient depends on x. Plain autograd gives the second
@@ -705,7 +720,8 @@ def test_double_backward_is_never_silently_wrong():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [8, 16])
-def test_map_forwards_and_backwards_all_run_concurrently(n):
+def test_map_forwards_and_backwards_all_run_concurrently(fresh_pool, n):
+    fresh_pool(DEFAULT_WORKERS)  # the default size, whatever MOE_AUTOGRAD_WORKERS says here
     forward_barrier = threading.Barrier(n, timeout=20)
     backward_barrier = threading.Barrier(n, timeout=20)
 

@@ -249,6 +249,8 @@ def test_every_call_of_a_group_runs_concurrently(fresh_pool, n):
 @pytest.mark.timeout(30)
 def test_concurrency_with_the_process_pool():
     n = 16
+    if get_pool().max_workers < n - 1:
+        pytest.skip("MOE_AUTOGRAD_WORKERS is set below 15 for this process")
     barrier = threading.Barrier(n, timeout=10)
     assert run_all([lambda: barrier.wait() is not None] * n) == [True] * n
     pool = get_pool()

@@ -149,6 +149,10 @@ class MixtureOfExperts(nn.Module):
         out_shape = self.out_shape or (self.in_features,)
         dtype = outputs[0].dtype if outputs else flat.dtype
         y = flat.new_zeros((num_tokens, *out_shape), dtype=dtype)
+        if not outputs and weights.requires_grad:
+            # No expert answered (allow_zero_outputs): keep the zeros in the
+            # graph, so that ``loss.backward()`` still works (zero gradients).
+            y = y + weights.sum().to(dtype) * 0
         for (e, _), out in zip(survivors, outputs):
             if tuple(out.shape[1:]) != out_shape:
                 raise ValueError(f"MixtureOfExperts: expert {e} returned rows of shape "
@@ -165,7 +169,9 @@ class MixtureOfExperts(nn.Module):
             finished = group.finished_at[i]
             if finished is not None and not isinstance(error, CallCancelled):
                 book.record_latency(e, (finished - started) * 1000)
-            late = not group.done(i) or isinstance(error, TimeoutError)
+            # A call that failed without an error had not answered when the
+            # wait ended, even if it has finished since (a late answer).
+            late = not ok[i] and (error is None or isinstance(error, TimeoutError))
             book.record(e, calls=1, timeouts=int(late),
                         non_finite=int(isinstance(error, FloatingPointError)),
                         failures=int(not ok[i] and not late))

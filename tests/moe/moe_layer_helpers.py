@@ -85,7 +85,7 @@ def tag(x: Tensor, ident: int) -> Tensor:
 
 
 def _ident(x: Tensor) -> int:
-    return int(round(float(x[0, -1]) * ID_SCALE))
+    return int(round(float(x[0, -1].detach()) * ID_SCALE))
 
 
 class _BackwardFault(torch.autograd.Function):
@@ -157,10 +157,13 @@ class FaultyExpert(nn.Module):
 
 
 def make_moe(num_experts: int = 4, in_features: int = 6, out_features: int = 5, k: int = 2,
-             seed: int = 0, **kwargs) -> MixtureOfExperts:
-    """A float64 layer of :class:`FaultyExpert`\\ s."""
+             seed: int = 0, declare_out_features: bool = False, **kwargs) -> MixtureOfExperts:
+    """A float64 layer of :class:`FaultyExpert`\\ s (``out_features`` is the
+    experts'; ``declare_out_features`` also passes it to the layer)."""
     torch.manual_seed(seed)
     experts = [FaultyExpert(in_features, out_features) for _ in range(num_experts)]
+    if declare_out_features:
+        kwargs["out_features"] = out_features
     return MixtureOfExperts(experts, in_features, k=k, **kwargs).double()
 
 
@@ -267,6 +270,29 @@ def active_experts(moe: MixtureOfExperts, x: Tensor) -> List[int]:
         logits = moe.gate(x.reshape(-1, moe.in_features))
         chosen = logits.topk(moe.k, dim=-1).indices.unique().tolist()
     return sorted(chosen)
+
+
+_warmed_up = False
+
+
+def warm_up() -> None:
+    """Pays this process's one-time lazy imports outside any deadline: a
+    checkpointed call's first dispatch-mode op imports torch._dynamo, the
+    first ``torch.autograd.grad`` with ``grad_outputs`` imports sympy (seconds
+    on a loaded machine). That cold start has its own test
+    (test_moe_cold_start.py); the deadline tests must not trip over it."""
+    global _warmed_up
+    if _warmed_up:
+        return
+    moe = make_moe(num_experts=2, k=2, seed=0, checkpoint=True)
+    y, _ = moe(torch.randn(3, 6, dtype=torch.float64, requires_grad=True))
+    y.sum().backward()
+    _warmed_up = True
+
+
+@pytest.fixture(scope="module")
+def warmed_up():
+    warm_up()
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:

@@ -1,0 +1,72 @@
+"""Remote experts: serve experts from other processes and machines.
+
+Experts are served by :class:`ExpertServer` in any process of a
+``torch.distributed.rpc`` world (TensorPipe), initialised the usual way with
+``rpc.init_rpc(name, rank, world_size, rpc_backend_options=...)``, and called
+through :class:`RemoteExpert`, an ``nn.Module`` wired into autograd. It works
+alone, in :func:`moe_autograd.parallel_apply` (remote calls overlap in forward
+and backward) and in :func:`moe_autograd.map_with_parallel_backward` (with
+:class:`~moe_autograd.remote.client.RemoteCall`).
+
+Data flows one way: this package uses the runtime (rng, checkpoint, phony);
+nothing in the runtime imports it. The transport sits behind
+:mod:`moe_autograd.remote.transport` (``call(worker, fn, args, timeout)``).
+
+Backward strategies, per server: ``stateless`` (default; the client sends the
+inputs back and the server recomputes under the same seed, so dropout masks
+match) or ``stateful`` (the server keeps the graph by call id; freed at
+backward, on the client's release, after ``state_ttl``, or past
+``max_states``). Parameter gradients accumulate in the hosted modules' ``.grad``
+on the server: train them with ``expert.zero_grad()`` / ``expert.step()``
+(server-side optimizer) or ``ExpertServer(..., optimizer=..., auto_step=True)``.
+
+Two-machine recipe
+------------------
+Machine A (10.0.0.1) trains; machine B serves. Both can reach
+``MASTER_ADDR:MASTER_PORT`` (on rank 0) and each other on any TCP port (set
+``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` to the interface to use if a
+machine has several). Write an experts factory, importable on B::
+
+    # my_experts.py
+    import torch.nn as nn
+    def make():
+        return {f"ffn{i}": nn.Sequential(nn.Linear(512, 2048), nn.GELU(), nn.Linear(2048, 512))
+                for i in range(4)}
+
+On B (rank 1 of 2)::
+
+    MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 \\
+        python -m moe_autograd serve --experts my_experts:make \\
+        --name server-b --rank 1 --world-size 2 --backward stateless
+
+On A (rank 0), in the training script::
+
+    import os, torch
+    import torch.distributed.rpc as rpc
+    from moe_autograd import parallel_apply
+    from moe_autograd.remote import RemoteExpert
+
+    os.environ.setdefault("MASTER_ADDR", "10.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    rpc.init_rpc("trainer", rank=0, world_size=2)
+    experts = [RemoteExpert("server-b", f"ffn{i}", forward_timeout=30, backward_timeout=30)
+               for i in range(4)]
+    for step in range(100):
+        for e in experts:
+            e.zero_grad()
+        xs = [torch.randn(64, 512, requires_grad=True) for _ in experts]
+        outs = parallel_apply(experts, xs)        # 4 remote calls at once
+        sum(o.square().mean() for o in outs).backward()   # 4 remote backwards at once
+        ...  # e.g. experts[i].step() with a server-side optimizer
+    rpc.shutdown()   # the server exits once every worker has shut down
+
+The server also stops on SIGINT/SIGTERM. On one machine, the same recipe runs
+on loopback (``MASTER_ADDR=127.0.0.1``); :mod:`moe_autograd.remote.loopback`
+starts such worlds for tests and benchmarks.
+"""
+from .client import RemoteCall, RemoteExpert, flush_releases
+from .errors import RemoteExpertError, RemoteTimeoutError
+from .server import ExpertServer
+
+__all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertError",
+           "RemoteCall", "flush_releases"]

@@ -1,0 +1,133 @@
+"""``python -m moe_autograd serve``: host experts in this process until stopped.
+
+Why a CLI: an expert server is a long-lived process on another machine; its
+experts come from a factory ``package.module:function`` that returns a dict
+``name -> nn.Module``, its place in the RPC world from flags or the usual
+environment variables (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``,
+``WORLD_SIZE``).
+
+Lifecycle: :class:`ExpertServer` -> ``init_rpc`` -> serve until SIGINT or
+SIGTERM, or (in a static world, i.e. with a world size) until every other
+worker has called ``rpc.shutdown()``; then close the server (requests in
+flight get ``--drain-timeout`` seconds) and shut RPC down.
+
+Invariant: the process exits with status 0 after a signal or the world's end,
+and 2 on bad arguments (argparse).
+"""
+import argparse
+import importlib
+import os
+import signal
+import sys
+import threading
+from typing import Any, List, Mapping, Optional, Sequence
+
+__all__ = ["main", "load_object", "build_parser"]
+
+
+def load_object(path: str) -> Any:
+    """Imports ``package.module:attribute``."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ValueError(f"expected 'package.module:function', got {path!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attribute.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _env_int(name: str) -> Optional[int]:
+    value = os.environ.get(name)
+    return int(value) if value else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m moe_autograd serve",
+                                description="Serve experts over torch.distributed.rpc.")
+    p.add_argument("--experts", required=True, metavar="MODULE:FUNCTION",
+                   help="factory returning a dict name -> nn.Module")
+    p.add_argument("--name", help="this worker's RPC name (default: expert-server-<rank>)")
+    p.add_argument("--rank", type=int, default=_env_int("RANK"), help="default: $RANK")
+    p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"),
+                   help="default: $WORLD_SIZE; omit both for a dynamic world")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT") or 29500)
+    p.add_argument("--backward", choices=("stateless", "stateful"), default="stateless")
+    p.add_argument("--optimizer", metavar="MODULE:FUNCTION",
+                   help="factory params -> torch.optim.Optimizer, one per expert")
+    p.add_argument("--manual-step", action="store_true",
+                   help="with --optimizer: step only when clients call RemoteExpert.step()")
+    p.add_argument("--state-ttl", type=float, default=60.0)
+    p.add_argument("--max-states", type=int, default=1024)
+    p.add_argument("--num-worker-threads", type=int, default=16)
+    p.add_argument("--rpc-timeout", type=float, default=60.0)
+    p.add_argument("--drain-timeout", type=float, default=10.0)
+    return p
+
+
+def _log(message: str) -> None:
+    print(f"[moe_autograd serve] {message}", file=sys.stderr, flush=True)
+
+
+def _leave_with_world(done: threading.Event) -> None:
+    # In a static world a graceful shutdown returns once every worker has
+    # called rpc.shutdown(); this process serves requests meanwhile.
+    from torch.distributed import rpc
+
+    try:
+        rpc.shutdown(graceful=True)
+    except Exception:  # noqa: BLE001 - the main thread stopped RPC first
+        pass
+    finally:
+        done.set()
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Runs the server; ``argv`` without the program name ("serve" optional)."""
+    args_list: List[str] = list(sys.argv[1:] if argv is None else argv)
+    if args_list[:1] == ["serve"]:
+        args_list = args_list[1:]
+    args = build_parser().parse_args(args_list)
+    if args.rank is None:
+        build_parser().error("--rank (or $RANK) is required")
+    from torch.distributed import rpc
+
+    from .server import ExpertServer
+
+    experts = load_object(args.experts)()
+    if not isinstance(experts, Mapping):
+        raise TypeError(f"{args.experts} returned {type(experts).__name__}, not a dict")
+    optimizer = load_object(args.optimizer) if args.optimizer else None
+    name = args.name or f"expert-server-{args.rank}"
+    options = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{args.master_addr}:{args.master_port}",
+        num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout)
+    stop, world_done = threading.Event(), threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    server = ExpertServer(experts, backward=args.backward, optimizer=optimizer,
+                          auto_step=not args.manual_step, state_ttl=args.state_ttl,
+                          max_states=args.max_states)  # before init_rpc: no request finds it missing
+    rpc.init_rpc(name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options)
+    _log(f"worker {name!r} (rank {args.rank}, world size {args.world_size or 'dynamic'}) "
+         f"serves {sorted(experts)} ({args.backward} backward)")
+    if args.world_size:
+        threading.Thread(target=_leave_with_world, args=(world_done,), daemon=True,
+                         name="moe_autograd-serve-world").start()
+    while not (stop.wait(0.2) or world_done.is_set()):
+        pass
+    _log("the world has shut down" if world_done.is_set() else "signal received, shutting down")
+    server.close(timeout=args.drain_timeout)
+    if not world_done.is_set():
+        try:
+            # A graceful shutdown would wait for every peer; leave at once.
+            rpc.shutdown(graceful=args.world_size is None)
+        except Exception as error:  # noqa: BLE001
+            _log(f"rpc shutdown: {error}")
+    _log("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

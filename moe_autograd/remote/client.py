@@ -1,0 +1,281 @@
+"""``RemoteExpert``: a module whose call runs on an :class:`ExpertServer`.
+
+Why a custom autograd Function (:class:`RemoteCall`): the remote call must
+take part in the caller's autograd graph like a local module, so that it works
+alone, inside :func:`moe_autograd.parallel_apply` (each call's forward and
+backward then run on their own worker thread, so remote calls overlap in both
+passes) and inside :func:`moe_autograd.map_with_parallel_backward`.
+
+Per call, the client draws a seed with :meth:`CallRng.fork` (inside a
+checkpointed parent, from the parent's stream, so the recomputation sends the
+same seed) and a unique call id. What it keeps until backward depends on the
+server's strategy, which the forward reply names:
+
+* ``stateless``: the inputs (saved for backward, version-checked) and seed;
+  backward sends them with the output gradients.
+* ``stateful``: only the call id; a finalizer on the call record sends a
+  release when the graph dies without a backward (batched, off the GC thread).
+* ``none``: nothing (no output needs a gradient).
+
+Invariants:
+
+* Every failure raises :class:`RemoteExpertError` naming worker and expert;
+  a missed ``forward_timeout``/``backward_timeout`` raises
+  :class:`RemoteTimeoutError` (a :class:`TimeoutError`) within the deadline
+  plus a small grace period; a late reply is dropped.
+* Tensors travel as CPU tensors; outputs come back on the device of the first
+  tensor argument, input gradients on each input's device.
+* Parameter gradients live on the server (``.grad`` of the hosted module):
+  a local optimizer never sees them. Train remote experts with the server's
+  optimizer: ``expert.zero_grad()``, ``loss.backward()``, ``expert.step()``
+  (parent modules' ``zero_grad`` does not reach remote experts), or let the
+  server step after every backward (``ExpertServer(..., auto_step=True)``).
+"""
+import collections
+import itertools
+import threading
+import time
+import uuid
+import weakref
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+
+from ..phony import get_phony
+from ..rng import CallRng
+from .errors import RemoteExpertError, RemoteTimeoutError
+from .server import serve_backward, serve_control, serve_forward, serve_release
+from .transport import Transport, TransportError, TransportTimeout, get_transport
+
+__all__ = ["RemoteExpert", "RemoteCall", "flush_releases"]
+
+GRACE_S = 0.2  # how long past a deadline we wait for the transport's own timeout
+_ids = itertools.count()
+_prefix = uuid.uuid4().hex[:12]
+Outputs = Union[Tensor, Tuple[Tensor, ...]]
+
+
+class _Releaser:
+    """Sends releases of abandoned stateful calls, batched per worker.
+
+    Finalizers only append to a deque (no locks, no I/O on the GC's thread);
+    a daemon thread flushes it every ``interval`` seconds.
+    """
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.pending: Deque[Tuple[Transport, str, str]] = collections.deque()
+        self.interval = interval
+        self._started = False
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._run, daemon=True,
+                                 name="moe_autograd-remote-releaser").start()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(self.interval)
+            self.flush()
+
+    def flush(self) -> int:
+        batches: Dict[Tuple[int, str], Tuple[Transport, List[str]]] = {}
+        while self.pending:
+            transport, worker, call_id = self.pending.popleft()
+            batches.setdefault((id(transport), worker), (transport, []))[1].append(call_id)
+        for (_, worker), (transport, ids) in batches.items():
+            try:
+                transport.call(worker, serve_release, (ids,), 30.0)  # fire and forget
+            except Exception:  # noqa: BLE001 - peer gone or transport shut down
+                pass
+        return sum(len(ids) for _, ids in batches.values())
+
+
+_releaser = _Releaser()
+
+
+def flush_releases() -> int:
+    """Sends pending releases now; returns how many call ids were sent."""
+    return _releaser.flush()
+
+
+class _Call:
+    """The record of one remote call, kept by the autograd node."""
+
+    __slots__ = ("expert", "seed", "call_id", "single", "mode", "flags", "finalizer",
+                 "__weakref__")
+
+    def __init__(self, expert: "RemoteExpert", seed: int) -> None:
+        self.expert, self.seed = expert, seed
+        self.call_id = f"{_prefix}-{next(_ids)}"
+        self.single, self.mode, self.flags = True, "none", []  # type: ignore[var-annotated]
+        self.finalizer: Optional[weakref.finalize] = None
+
+    def arm(self) -> None:
+        """Releases the server's state if this record dies without backward."""
+        _releaser.start()
+        e = self.expert
+        self.finalizer = weakref.finalize(self, _releaser.pending.append,
+                                          (e.transport, e.worker, self.call_id))
+        self.finalizer.atexit = False
+
+
+class RemoteCall(torch.autograd.Function):
+    """The autograd node of one remote call: ``apply(call, phony, *args)``.
+
+    Use :meth:`RemoteExpert.function_args` to build the arguments, e.g. for
+    :func:`moe_autograd.map_with_parallel_backward`.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, phony: Tensor, *args: Any) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        outputs, diff = call.expert._forward(call, args, grad=True)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        ctx.devices = [a.device if isinstance(a, Tensor) else None for a in args]
+        if call.mode == "stateless":
+            ctx.tensor_idx = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
+            ctx.others = [None if isinstance(a, Tensor) else a for a in args]
+            ctx.save_for_backward(*(args[k] for k in ctx.tensor_idx))
+        nondiff = [o for o, d in zip(outputs, diff) if not d]
+        if nondiff:
+            ctx.mark_non_differentiable(*nondiff)
+        return tuple(outputs)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        call: _Call = ctx.call
+        if call.mode == "none":
+            return (None, None, *[None] * len(ctx.devices))
+        args: Optional[List[Any]] = None
+        if call.mode == "stateless":
+            args = list(ctx.others)
+            for k, tensor in zip(ctx.tensor_idx, ctx.saved_tensors):
+                args[k] = tensor
+        input_grads = call.expert._backward(call, args, grads)
+        if call.finalizer is not None:
+            call.finalizer.detach()  # the server freed the state itself
+        return (None, None, *[g.to(d) if g is not None and d is not None else None
+                              for g, d in zip(input_grads, ctx.devices)])
+
+
+def _wire(value: Any) -> Any:
+    return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+class RemoteExpert(nn.Module):
+    """Calls the expert ``name`` served by the worker ``worker``.
+
+    ``expert(*args)`` sends the arguments (tensors, or picklable values) and
+    returns what the expert returned (a tensor or a tuple of tensors), wired
+    into autograd. ``forward_timeout``/``backward_timeout`` (seconds) bound each
+    pass; ``None`` uses the transport's default RPC timeout.
+    """
+
+    def __init__(self, worker: str, name: str, *, forward_timeout: Optional[float] = None,
+                 backward_timeout: Optional[float] = None,
+                 transport: Optional[Transport] = None) -> None:
+        super().__init__()
+        self.worker, self.name = worker, name
+        self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
+        self.transport: Transport = transport or get_transport()
+
+    def extra_repr(self) -> str:
+        return f"worker={self.worker!r}, name={self.name!r}"
+
+    # -- calls --------------------------------------------------------------
+    def forward(self, *args: Any) -> Outputs:  # type: ignore[override]
+        if not args:
+            raise TypeError(f"remote expert {self.name!r} needs at least one argument")
+        call = _Call(self, CallRng.fork().seed)
+        if torch.is_grad_enabled():
+            outputs: Sequence[Tensor] = RemoteCall.apply(*self._function_args(call, args))
+        else:
+            outputs, _ = self._forward(call, args, grad=False)
+        return outputs[0] if call.single else tuple(outputs)
+
+    def function_args(self, *args: Any) -> Tuple[Any, ...]:
+        """``(call, phony, *args)`` for ``RemoteCall.apply`` or as one call's
+        arguments of :func:`moe_autograd.map_with_parallel_backward`."""
+        return self._function_args(_Call(self, CallRng.fork().seed), args)
+
+    @staticmethod
+    def _function_args(call: _Call, args: Sequence[Any]) -> Tuple[Any, ...]:
+        return (call, get_phony(torch.device("cpu"), requires_grad=True), *args)
+
+    def _request(self, what: str, fn: Any, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
+        where = f"{what} of expert {self.name!r} on worker {self.worker!r}"
+        try:
+            pending = self.transport.call(self.worker, fn, args, timeout)
+        except TransportError as error:
+            raise RemoteExpertError(f"{where} could not be sent: {error}") from error
+        try:
+            reply = pending.result(None if timeout is None else timeout + GRACE_S)
+        except TransportTimeout as error:
+            limit = f"its {timeout:g} s deadline" if timeout is not None else "the transport's timeout"
+            raise RemoteTimeoutError(f"{where} missed {limit} ({error})") from error
+        except TransportError as error:
+            raise RemoteExpertError(f"{where} failed (is the worker alive and reachable?): "
+                                    f"{error}") from error
+        if not (isinstance(reply, tuple) and len(reply) == 2):
+            raise RemoteExpertError(f"{where} got a malformed reply: {reply!r:.200}")
+        status, value = reply
+        if status != "ok":
+            raise RemoteExpertError(f"{where} failed on the server: {value}")
+        return value
+
+    def _forward(self, call: _Call, args: Sequence[Any], grad: bool) -> Tuple[List[Tensor], List[bool]]:
+        flags = [bool(grad and isinstance(a, Tensor) and a.requires_grad) for a in args]
+        request = (self.name, call.call_id, call.seed, grad, flags, tuple(_wire(a) for a in args))
+        try:
+            outputs, single, diff, mode = self._request("forward", serve_forward, request,
+                                                        self.forward_timeout)
+        except RemoteTimeoutError:
+            if grad:  # the server may still store a state for it: release it
+                _releaser.start()
+                _releaser.pending.append((self.transport, self.worker, call.call_id))
+            raise
+        device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
+        call.single, call.mode, call.flags = single, mode, flags
+        if mode == "stateful":
+            call.arm()
+        return [o.to(device) for o in outputs], diff
+
+    def _backward(self, call: _Call, args: Optional[Sequence[Any]],
+                  grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+        request = (self.name, call.call_id, call.seed,
+                   None if args is None else tuple(_wire(a) for a in args),
+                   call.flags, [_wire(g) for g in grads])
+        return list(self._request("backward", serve_backward, request, self.backward_timeout))
+
+    # -- the server-side module ------------------------------------------------
+    def _control(self, op: str, payload: Any = None) -> Any:
+        return self._request(op, serve_control, (self.name, op, payload), self.forward_timeout)
+
+    def step(self) -> None:
+        """Runs the server-side optimizer's ``step()`` for this expert."""
+        self._control("step")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zeroes the gradients of the hosted module on the server."""
+        self._control("zero_grad", set_to_none)
+
+    def remote_grads(self) -> Dict[str, Optional[Tensor]]:
+        """The hosted module's parameter gradients, by parameter name."""
+        return self._control("grads")
+
+    def remote_state_dict(self) -> Dict[str, Tensor]:
+        """A copy of the hosted module's ``state_dict()``."""
+        return self._control("state_dict")
+
+    def load_remote_state_dict(self, state_dict: Dict[str, Tensor]) -> None:
+        """Loads ``state_dict`` into the hosted module."""
+        self._control("load_state_dict", {k: _wire(v) for k, v in state_dict.items()})
+
+    def remote_stats(self) -> Dict[str, Any]:
+        """The server's counters (``live``: stateful states held now)."""
+        return self._control("stats")

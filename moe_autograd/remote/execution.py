@@ -1,0 +1,135 @@
+"""How a server runs one expert call: forward, recomputation and backward.
+
+Why a module of its own: this is the part that must agree with local autograd
+(gradients, RNG, parameter accumulation), independent of any transport.
+
+Invariants:
+
+* A forward runs under ``CallRng(seed).activate()``; a stateless backward
+  recomputes under the same seed with :func:`enable_recomputing`, so random
+  ops (dropout masks) are replayed exactly, whatever other threads draw.
+* Tensor arguments become detached leaves on the module's device; a leaf
+  requires grad iff the client's tensor did, so input gradients come back
+  exactly for those (``None`` elsewhere).
+* Parameter gradients reach the hosted module's ``.grad`` through the real
+  ``AccumulateGrad`` nodes (concurrent backwards are locked by PyTorch).
+* Replies carry CPU tensors only (what TensorPipe accepts without device maps).
+"""
+from contextlib import nullcontext
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from ..checkpoint import enable_checkpointing, enable_recomputing
+from ..rng import CallRng
+
+__all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "to_wire", "trainable",
+           "warm_up"]
+
+Grads = List[Optional[Tensor]]
+
+
+def warm_up() -> None:
+    """Pays one-time costs (about a second each: lazy imports of the first RNG
+    dispatch mode, and of ``autograd.backward`` with explicit gradients) at
+    server start, not inside the first request's deadline."""
+    with torch.enable_grad(), CallRng(0).activate():
+        y = torch.ones(1, requires_grad=True).mul(2)
+    torch.autograd.backward([y], [torch.ones_like(y)])
+
+
+def module_device(module: nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def trainable(module: nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def to_wire(value: Optional[Tensor]) -> Optional[Tensor]:
+    return None if value is None else value.detach().cpu()
+
+
+def make_leaves(args: Sequence[Any], flags: Sequence[bool], device: torch.device) -> List[Any]:
+    """The call's arguments with tensors as fresh leaves on ``device``."""
+    if not isinstance(args, (tuple, list)):
+        raise TypeError(f"arguments must be a tuple, got {type(args).__name__}")
+    if not isinstance(flags, (tuple, list)) or len(flags) != len(args):
+        raise TypeError(f"requires_grad flags must be a list of {len(args)} bools, got {flags!r}")
+    leaves: List[Any] = []
+    for k, (arg, flag) in enumerate(zip(args, flags)):
+        if isinstance(arg, Tensor):
+            leaf = arg.detach().to(device)
+            if flag is True:
+                if not (leaf.is_floating_point() or leaf.is_complex()):
+                    raise TypeError(f"argument {k} ({leaf.dtype}) cannot require grad")
+                leaf.requires_grad_(True)
+            leaves.append(leaf)
+        elif flag:
+            raise TypeError(f"argument {k} is a {type(arg).__name__}, not a tensor, but is "
+                            "flagged as requiring grad")
+        else:
+            leaves.append(arg)
+    return leaves
+
+
+def _outputs(result: Any) -> Tuple[List[Tensor], bool]:
+    if isinstance(result, Tensor):
+        return [result], True
+    if isinstance(result, (tuple, list)) and result and all(isinstance(r, Tensor) for r in result):
+        return list(result), False
+    raise TypeError(f"the expert returned {type(result).__name__}; a remote expert must "
+                    "return a tensor or a non-empty tuple of tensors")
+
+
+def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], seed: int, *,
+                grad: bool, keep_graph: bool) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
+    """Runs the module; returns ``(leaves, outputs, single, differentiable)``.
+
+    With ``keep_graph`` (stateful) the outputs carry the graph; otherwise the
+    forward runs without grad (a checkpointed forward when ``grad``) and
+    ``differentiable`` says which outputs a recomputation can differentiate.
+    """
+    leaves = make_leaves(args, flags, module_device(module))
+    rng = CallRng(seed)
+    if keep_graph:
+        with torch.enable_grad(), rng.activate():
+            outputs, single = _outputs(module(*leaves))
+        return leaves, outputs, single, [o.requires_grad for o in outputs]
+    with torch.no_grad(), (enable_checkpointing() if grad else nullcontext()), rng.activate():
+        outputs, single = _outputs(module(*leaves))
+    needs = grad and (any(flags) or trainable(module))
+    return leaves, outputs, single, [needs and (o.is_floating_point() or o.is_complex())
+                                     for o in outputs]
+
+
+def recompute(module: nn.Module, args: Sequence[Any], flags: Sequence[bool],
+              seed: int) -> Tuple[List[Any], List[Tensor]]:
+    """The stateless backward's forward: same seed, grad on, recomputing."""
+    leaves = make_leaves(args, flags, module_device(module))
+    with torch.enable_grad(), enable_recomputing(), CallRng(seed).activate():
+        outputs, _ = _outputs(module(*leaves))
+    return leaves, outputs
+
+
+def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequence[Any]) -> Grads:
+    """Backpropagates ``grads`` (one per output, or None); returns one gradient
+    per argument (None for arguments that did not require grad)."""
+    if not isinstance(grads, (tuple, list)) or len(grads) != len(outputs):
+        raise TypeError(f"expected {len(outputs)} output gradients, got {grads!r:.200}")
+    pairs = []
+    for k, (out, g) in enumerate(zip(outputs, grads)):
+        if g is None or not out.requires_grad:
+            continue
+        if not isinstance(g, Tensor):
+            raise TypeError(f"gradient {k} is a {type(g).__name__}, not a tensor")
+        pairs.append((out, g.to(out.device)))
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [to_wire(leaf.grad) if isinstance(leaf, Tensor) and leaf.requires_grad else None
+            for leaf in leaves]

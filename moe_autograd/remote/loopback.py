@@ -1,0 +1,106 @@
+"""Small RPC worlds on one machine, for tests, benchmarks and examples.
+
+Why: a remote expert needs several processes in one ``torch.distributed.rpc``
+world. These helpers start expert servers in spawned processes on loopback,
+exactly as ``python -m moe_autograd serve`` would on other machines.
+
+Invariants:
+
+* :func:`free_port` returns a port that was free a moment ago (bound to port
+  0 and closed); rendezvous happens on it right after.
+* A server process serves until every worker of the world has called
+  ``rpc.shutdown()`` (the standard static-world pattern), then exits 0.
+* :func:`stop_processes` leaves no process behind: join, terminate, kill.
+* A process joins at most one RPC world in its life: re-initialising RPC in
+  the same process after ``rpc.shutdown()`` hangs in torch's rendezvous, so a
+  second world needs fresh processes (clients too).
+"""
+import multiprocessing
+import socket
+from typing import Any, Dict, List, Optional, Sequence
+
+__all__ = ["free_port", "backend_options", "serve_in_process", "start_servers", "stop_processes"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def backend_options(port: int, host: str = "127.0.0.1", *, num_worker_threads: int = 16,
+                    rpc_timeout: float = 60.0,
+                    transports: Optional[Sequence[str]] = ("uv",),
+                    channels: Optional[Sequence[str]] = ("basic",)) -> Any:
+    """TensorPipe options for a world on this machine.
+
+    TensorPipe's default same-machine transport (``shm``) busy-polls: every
+    process of the world burns a fraction of a core even when idle, and when
+    processes outnumber cores (tests, benchmarks) they starve each other. The
+    ``uv`` transport (epoll) sleeps while idle. ``None`` keeps TensorPipe's
+    defaults.
+    """
+    from torch.distributed import rpc
+
+    extra: Dict[str, Any] = {}
+    if transports is not None:
+        extra["_transports"] = list(transports)
+    if channels is not None:
+        extra["_channels"] = list(channels)
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{host}:{port}",
+                                           num_worker_threads=num_worker_threads,
+                                           rpc_timeout=rpc_timeout, **extra)
+
+
+def serve_in_process(port: int, rank: int, world_size: int, name: str, setup: str,
+                     num_worker_threads: int = 16) -> None:
+    """Process target: joins the world as ``name`` and serves what ``setup``
+    (``module:function``) builds: a dict of experts, or ExpertServer(s)."""
+    import torch
+    from torch.distributed import rpc
+
+    from .cli import load_object
+    from .server import ExpertServer
+
+    torch.set_num_threads(1)
+    built = load_object(setup)()  # before init_rpc: ready for the first request
+    servers = [ExpertServer(built)] if isinstance(built, dict) else list(
+        built if isinstance(built, (list, tuple)) else [built])
+    rpc.init_rpc(name, rank=rank, world_size=world_size,
+                 rpc_backend_options=backend_options(port, num_worker_threads=num_worker_threads))
+    try:
+        rpc.shutdown(graceful=True)  # serves until every worker shuts down
+    finally:
+        for server in servers:
+            server.close(timeout=1.0)
+
+
+def start_servers(port: int, world_size: int, names: Sequence[str], setup: str,
+                  first_rank: int = 1, num_worker_threads: int = 16) -> List[Any]:
+    """Spawns one :func:`serve_in_process` per name, ranks from ``first_rank``."""
+    ctx = multiprocessing.get_context("spawn")
+    processes = []
+    for k, name in enumerate(names):
+        process = ctx.Process(target=serve_in_process, name=f"expert-server-{name}",
+                              args=(port, first_rank + k, world_size, name, setup,
+                                    num_worker_threads), daemon=True)
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def stop_processes(processes: Sequence[Any], timeout: Optional[float] = 10.0) -> List[Optional[int]]:
+    """Joins each process (``timeout`` in all), then terminates, then kills."""
+    import time
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for process in processes:
+        process.join(None if deadline is None else max(deadline - time.monotonic(), 0.0))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join(2.0)
+        if process.is_alive():
+            process.kill()
+            process.join(2.0)
+    return [process.exitcode for process in processes]

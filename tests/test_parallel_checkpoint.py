@@ -1,0 +1,589 @@
+"""``parallel_apply(..., checkpoint=...)`` and ``recompute_early``.
+
+A checkpointed call keeps only its inputs in forward, recomputes on a worker
+in backward with its own RNG stream (same dropout mask, whatever other threads
+draw meanwhile), and its results and gradients equal a plain run and a plain
+sequential loop. ``recompute_early`` starts the recomputation as soon as
+backward reaches the trigger tensor.
+"""
+import gc
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import moe_autograd
+from moe_autograd import is_checkpointing, is_recomputing, parallel_apply, recompute_early
+
+D = 8
+
+
+def _wait_dead(refs: Sequence[weakref.ref], timeout: float = 5.0) -> List[bool]:
+    """Collects garbage until every ref is dead (a worker may still be dropping
+    its last reference to a finished group); returns which are still alive."""
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [r() is not None for r in refs]
+        if any(alive):  # a full collection is slow: only when refcounting did not do
+            gc.collect()
+            alive = [r() is not None for r in refs]
+        if not any(alive) or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
+
+
+class Expert(nn.Module):
+    """Linear -> tanh -> Linear -> sin: every step saves an activation."""
+
+    def __init__(self, d: int = D, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d, dtype=dtype)
+        self.fc2 = nn.Linear(4 * d, d, dtype=dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.sin(self.fc2(torch.tanh(self.fc1(x))))
+
+
+class Recording(nn.Module):
+    """Records, on every run, the mode flags and weakrefs to its activations."""
+
+    def __init__(self, d: int = D, hook: Optional[Callable[[], None]] = None) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.hook = hook
+        self.lock = threading.Lock()
+        self.runs: List[Dict[str, Any]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        a = torch.tanh(self.fc1(x))  # saved by tanh's and fc2's backward
+        with self.lock:
+            self.runs.append({
+                "checkpointing": is_checkpointing(), "recomputing": is_recomputing(),
+                "grad": torch.is_grad_enabled(), "thread": threading.current_thread().name,
+                "activation": weakref.ref(a),
+            })
+        if self.hook is not None:
+            self.hook()
+        return torch.sin(self.fc2(a))
+
+
+def _grads(params: Sequence[Tensor]) -> List[Optional[Tensor]]:
+    return [None if p.grad is None else p.grad.clone() for p in params]
+
+
+def _zero(params: Sequence[Tensor]) -> None:
+    for p in params:
+        p.grad = None
+
+
+# -- memory: a checkpointed forward keeps only its inputs -----------------------
+@pytest.mark.timeout(60)
+def test_checkpointed_forward_saves_no_activations() -> None:
+    torch.manual_seed(0)
+    n, rows = 4, 64
+    experts = [Recording() for _ in range(n)]
+    xs = [torch.randn(rows, D, requires_grad=True) for _ in range(n)]
+    input_bytes = sum(x.numel() * x.element_size() for x in xs)
+    activation_bytes = rows * 4 * D * 4  # one [rows, 4D] float32 activation
+
+    def run(checkpoint: bool) -> Tuple[int, List[Tensor]]:
+        saved = [0]
+        lock = threading.Lock()
+
+        def pack(t: Tensor) -> Tensor:
+            with lock:  # packs run on the workers
+                saved[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            outs = parallel_apply(experts, xs, checkpoint=checkpoint)
+        return saved[0], outs
+
+    plain_bytes, plain_outs = run(False)
+    # The caller's hooks reach the workers: the plain forward's saves are seen.
+    assert plain_bytes >= n * activation_bytes
+    plain_refs = [e.runs[-1]["activation"] for e in experts]
+    assert not any(r() is None for r in plain_refs), "plain call must keep its activations"
+
+    ckpt_bytes, ckpt_outs = run(True)
+    assert ckpt_bytes <= input_bytes, f"checkpointed forward saved {ckpt_bytes} bytes"
+    ckpt_refs = [e.runs[-1]["activation"] for e in experts]
+    assert _wait_dead(ckpt_refs) == [False] * n, "checkpointed forward kept an activation"
+
+    for a, b in zip(plain_outs, ckpt_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    del plain_outs, ckpt_outs
+
+
+@pytest.mark.timeout(60)
+def test_mode_flags_inside_the_expert() -> None:
+    torch.manual_seed(0)
+    experts = [Recording() for _ in range(3)]
+    xs = [torch.randn(5, D, requires_grad=True) for _ in range(3)]
+
+    outs = parallel_apply(experts, xs, checkpoint=[True, False, True])
+    for i, e in enumerate(experts):
+        assert len(e.runs) == 1
+        run = e.runs[0]
+        assert run["recomputing"] is False
+        assert run["checkpointing"] is (i != 1)
+        assert run["grad"] is (i == 1)  # a checkpointed forward runs under no_grad
+    assert not is_checkpointing() and not is_recomputing()  # the caller's flags untouched
+
+    sum(o.sum() for o in outs).backward()
+    assert [len(e.runs) for e in experts] == [2, 1, 2]
+    for i in (0, 2):
+        rerun = experts[i].runs[1]
+        assert rerun["recomputing"] is True
+        assert rerun["checkpointing"] is False
+        assert rerun["grad"] is True
+    assert not is_checkpointing() and not is_recomputing()
+
+
+# -- equivalence ----------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True, [True, False, True, False, True]],
+                         ids=["plain", "checkpoint", "mixed"])
+def test_matches_sequential_loop(checkpoint: Any) -> None:
+    torch.manual_seed(0)
+    n = 5
+    experts = [Expert(dtype=torch.float64) for _ in range(n)]
+    params = [p for e in experts for p in e.parameters()]
+    base = torch.randn(n, 6, D, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(n, 6, D, dtype=torch.float64)
+
+    def loss_of(outs: Sequence[Tensor]) -> Tensor:
+        return (torch.stack(list(outs)) * g).sum()
+
+    ref_outs = [e(base[i] * (i + 1)) for i, e in enumerate(experts)]
+    loss_of(ref_outs).backward()
+    ref_grads = _grads(params) + [base.grad.clone()]
+    _zero(params + [base])
+
+    outs = parallel_apply(experts, [base[i] * (i + 1) for i in range(n)], checkpoint=checkpoint)
+    assert len(outs) == n
+    for a, b in zip(outs, ref_outs):
+        assert a.requires_grad
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    loss_of(outs).backward()
+    for a, b in zip(_grads(params) + [base.grad], ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+class TupleKwargsExpert(nn.Module):
+    """Two positional tensors and keyword arguments; returns a mixed tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D, dtype=torch.float64)
+
+    def forward(self, x: Tensor, y: Tensor, *, scale: float, bias: Tensor) -> Tuple[Tensor, int, Tensor]:
+        h = torch.tanh(self.fc(x) * y) * scale + bias
+        return h, 7, (h * y).sum(dim=-1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True, [True, False, True]],
+                         ids=["plain", "checkpoint", "mixed"])
+def test_tuple_and_kwargs_inputs(checkpoint: Any) -> None:
+    torch.manual_seed(0)
+    n = 3
+    experts = [TupleKwargsExpert() for _ in range(n)]
+    params = [p for e in experts for p in e.parameters()]
+    xs = [torch.randn(4, D, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+    ys = [torch.randn(4, D, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+    bias = torch.randn(D, dtype=torch.float64, requires_grad=True)
+    kwargs = [{"scale": 0.5 * (i + 1), "bias": bias} for i in range(n)]
+    leaves = params + xs + ys + [bias]
+
+    def loss_of(results: Sequence[Tuple[Tensor, int, Tensor]]) -> Tensor:
+        total = 0
+        for i, (h, k, s) in enumerate(results):
+            assert k == 7
+            total = total + (h * (i + 1)).sum() + (s ** 2).sum()
+        return total
+
+    ref = [e(xs[i], ys[i], **kwargs[i]) for i, e in enumerate(experts)]
+    loss_of(ref).backward()
+    ref_grads = _grads(leaves)
+    _zero(leaves)
+
+    results = parallel_apply(experts, [(xs[i], ys[i]) for i in range(n)], kwargs,
+                             checkpoint=checkpoint)
+    for (h, k, s), (rh, _, rs) in zip(results, ref):
+        torch.testing.assert_close(h, rh, rtol=0, atol=0)
+        torch.testing.assert_close(s, rs, rtol=0, atol=0)
+    loss_of(results).backward()
+    for a, b in zip(_grads(leaves), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_shared_module_used_by_several_calls() -> None:
+    torch.manual_seed(0)
+    n = 6
+    expert = Expert(dtype=torch.float64)
+    params = list(expert.parameters())
+    xs = [torch.randn(3, D, dtype=torch.float64, requires_grad=True) for _ in range(n)]
+
+    ref = [expert(x) * (i + 1) for i, x in enumerate(xs)]
+    sum(r.sum() for r in ref).backward()
+    ref_grads = _grads(params + xs)
+    _zero(params + xs)
+
+    outs = parallel_apply([expert] * n, xs, checkpoint=True)
+    for o, r, i in zip(outs, ref, range(n)):
+        torch.testing.assert_close(o * (i + 1), r, rtol=0, atol=0)
+    sum((o * (i + 1)).sum() for i, o in enumerate(outs)).backward()
+    for a, b in zip(_grads(params + xs), ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+def test_params_only_call_gets_param_grads() -> None:
+    """No input requires grad: the checkpointed call must still recompute and
+    give its parameters gradients."""
+    torch.manual_seed(0)
+    experts = [Expert(dtype=torch.float64) for _ in range(3)]
+    params = [p for e in experts for p in e.parameters()]
+    xs = [torch.randn(4, D, dtype=torch.float64) for _ in range(3)]
+    sum(e(x).sum() for e, x in zip(experts, xs)).backward()
+    ref = _grads(params)
+    _zero(params)
+    outs = parallel_apply(experts, xs, checkpoint=True)
+    assert all(o.requires_grad for o in outs)
+    sum(o.sum() for o in outs).backward()
+    for a, b in zip(_grads(params), ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
+def test_retain_graph_double_backward(checkpoint: bool) -> None:
+    torch.manual_seed(0)
+    experts = [Expert(dtype=torch.float64) for _ in range(3)]
+    params = [p for e in experts for p in e.parameters()]
+    xs = [torch.randn(4, D, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    sum(e(x).sum() for e, x in zip(experts, xs)).backward()
+    once = _grads(params + xs)
+    _zero(params + xs)
+
+    outs = parallel_apply(experts, xs, checkpoint=checkpoint)
+    loss = sum(o.sum() for o in outs)
+    loss.backward(retain_graph=True)
+    for a, b in zip(_grads(params + xs), once):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    loss.backward(retain_graph=True)
+    for a, b in zip(_grads(params + xs), once):
+        torch.testing.assert_close(a, 2 * b, rtol=1e-12, atol=1e-12)
+    loss.backward()  # the last one frees the graphs
+    for a, b in zip(_grads(params + xs), once):
+        torch.testing.assert_close(a, 3 * b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError):
+        loss.backward()
+
+
+@pytest.mark.timeout(90)
+def test_gradcheck_through_checkpointed_parallel_apply() -> None:
+    torch.manual_seed(0)
+    experts = [nn.Sequential(nn.Linear(3, 5), nn.Tanh(), nn.Linear(5, 2)).double() for _ in range(3)]
+
+    def f(x0: Tensor, x1: Tensor, x2: Tensor) -> Tuple[Tensor, ...]:
+        return tuple(parallel_apply(experts, [x0, x1, x2], checkpoint=[True, True, False]))
+
+    xs = tuple(torch.randn(2, 3, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    assert torch.autograd.gradcheck(f, xs, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(60)
+def test_reproducible_under_manual_seed() -> None:
+    experts = [nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5)) for _ in range(4)]
+
+    def run(seed: int) -> List[Tensor]:
+        torch.manual_seed(seed)
+        x = torch.randn(16, D, requires_grad=True)
+        outs = parallel_apply(experts, [x] * 4, checkpoint=True)
+        sum(o.sum() for o in outs).backward()
+        return [o.detach() for o in outs] + [x.grad]
+
+    a, b, c = run(1), run(1), run(2)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    assert not all(torch.equal(u, v) for u, v in zip(a, c))
+    # Each call draws its own mask.
+    masks = [o != 0 for o in a[:4]]
+    assert not torch.equal(masks[0], masks[1])
+
+
+# -- randomness under concurrency -------------------------------------------------
+class DropoutScale(nn.Module):
+    """``dropout(x) * w``, meeting the other calls at a barrier in forward and
+    in recomputation (which proves the calls overlap in both)."""
+
+    def __init__(self, forward_barrier: threading.Barrier, recompute_barrier: threading.Barrier) -> None:
+        super().__init__()
+        self.dropout = nn.Dropout(0.5)
+        self.w = nn.Parameter(torch.rand(D) + 0.5)
+        self.forward_barrier, self.recompute_barrier = forward_barrier, recompute_barrier
+
+    def forward(self, x: Tensor) -> Tensor:
+        (self.recompute_barrier if is_recomputing() else self.forward_barrier).wait()
+        y = self.dropout(x)
+        torch.rand(3)  # an extra draw in the call's own stream
+        return y * self.w
+
+
+def _dropout_round(experts: Sequence[DropoutScale], rows: int, errors: List[str]) -> None:
+    n = len(experts)
+    xs = [(torch.rand(rows, D) + 0.5).requires_grad_() for _ in range(n)]
+    gs = [torch.randn(rows, D) for _ in range(n)]
+    for e in experts:
+        e.w.grad = None
+    outs = parallel_apply(experts, xs, checkpoint=True)
+    torch.autograd.backward(outs, gs)
+    for i, (e, x, g, out) in enumerate(zip(experts, xs, gs, outs)):
+        mask = (out.detach() != 0).to(x.dtype)
+        if not 0 < int(mask.sum()) < mask.numel():
+            errors.append(f"call {i}: degenerate dropout mask")
+        expected_x = g * e.w.detach() * mask * 2.0
+        expected_w = (g * x.detach() * mask * 2.0).sum(dim=0)
+        if not torch.equal(x.grad, expected_x):
+            errors.append(f"call {i}: input grad differs from the forward's mask")
+        if not torch.allclose(e.w.grad, expected_w, rtol=1e-5, atol=1e-5):
+            errors.append(f"call {i}: weight grad differs from the forward's mask")
+
+
+@pytest.mark.timeout(120)
+def test_dropout_recomputes_same_mask_under_concurrent_draws(fresh_pool: Any) -> None:
+    fresh_pool(64)  # 2 callers x 8 calls blocked at barriers, plus helpers
+    n, reps, rows = 8, 25, 32
+    stop = threading.Event()
+    errors: List[str] = []
+
+    def hammer() -> None:
+        while not stop.is_set():
+            torch.rand(64)
+
+    def user(k: int) -> None:
+        try:
+            fwd, rec = threading.Barrier(n, timeout=10), threading.Barrier(n, timeout=10)
+            torch.manual_seed(100 + k)
+            experts = [DropoutScale(fwd, rec) for _ in range(n)]
+            for _ in range(reps):
+                _dropout_round(experts, rows, errors)
+        except BaseException as error:  # noqa: B902 - reported by the main thread
+            errors.append(f"user {k}: {type(error).__name__}: {error}")
+
+    hammers = [threading.Thread(target=hammer, daemon=True)]
+    users = [threading.Thread(target=user, args=(k,), daemon=True) for k in range(2)]
+    for t in hammers + users:
+        t.start()
+    try:
+        for t in users:
+            t.join(timeout=100)
+        assert not any(t.is_alive() for t in users), "a user thread hung"
+    finally:
+        stop.set()
+        for t in hammers:
+            t.join(timeout=10)
+    assert not errors, errors[:5]
+
+
+# -- recompute_early ----------------------------------------------------------------
+class Signalling(nn.Module):
+    """Sets its event when its recomputation starts; logs what runs."""
+
+    def __init__(self, i: int, log: List[str], lock: threading.Lock) -> None:
+        super().__init__()
+        self.i = i
+        self.fc = nn.Linear(D, D)
+        self.event = threading.Event()
+        self.log, self.lock = log, lock
+        self.recomputations = 0
+        self.threads: List[str] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_recomputing():
+            with self.lock:
+                self.log.append(f"recompute {self.i}")
+                self.recomputations += 1
+                self.threads.append(threading.current_thread().name)
+            self.event.set()
+        return torch.tanh(self.fc(x))
+
+
+def _parallel_node(output: Tensor) -> Any:
+    """The ``_ParallelNode`` backward node under ``output``."""
+    stack, seen = [output.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "ParallelNode" in type(fn).__name__:
+            return fn
+        stack.extend(f for f, _ in fn.next_functions)
+    raise AssertionError("no parallel node under the output")
+
+
+def _early_setup(n: int, checkpoint: Any = True):
+    torch.manual_seed(0)
+    log: List[str] = []
+    lock = threading.Lock()
+    experts = [Signalling(i, log, lock) for i in range(n)]
+    head = nn.Linear(D, D)
+    tail = nn.Linear(D, D)
+    xs = [torch.randn(4, D, requires_grad=True) for _ in range(n)]
+    outs = parallel_apply(experts, xs, checkpoint=checkpoint)
+    return log, lock, experts, head, tail, xs, outs
+
+
+@pytest.mark.timeout(60)
+def test_recompute_early_starts_recomputation_at_the_trigger() -> None:
+    n = 4
+    log, lock, experts, head, tail, xs, outs = _early_setup(n)
+    seen: List[bool] = []
+
+    def head_backward_hook(module: nn.Module, grad_in: Any, grad_out: Any) -> None:
+        # The head's backward runs after the trigger's and before the parallel
+        # node's: every recomputation must have started (it runs on workers).
+        with lock:
+            log.append("head backward")
+        seen.append(all(e.event.wait(10) for e in experts))
+
+    head.register_full_backward_hook(head_backward_hook)
+
+    def node_prehook(grad_outputs: Any) -> None:
+        with lock:
+            log.append("parallel node backward")
+
+    _parallel_node(outs[0]).register_prehook(node_prehook)
+    h = head(torch.stack(outs).sum(dim=0))
+    trigger = h
+    h = recompute_early(h, outs)
+    assert h is not trigger, "recompute_early found no checkpointed call behind the outputs"
+    torch.testing.assert_close(h, trigger, rtol=0, atol=0)
+    tail(torch.relu(h)).sum().backward()
+
+    assert seen == [True]
+    assert [e.recomputations for e in experts] == [1] * n  # not once more in the node
+    # The caller's thread was blocked in the hook meanwhile: workers recomputed.
+    assert all(t.startswith("moe_autograd-worker-") for e in experts for t in e.threads)
+    # Ordered log: every recomputation started before the parallel node's backward.
+    node_at = log.index("parallel node backward")
+    assert log.index("head backward") < node_at
+    assert all(log.index(f"recompute {i}") < node_at for i in range(n)), log
+    assert all(x.grad is not None for x in xs)
+
+
+@pytest.mark.timeout(60)
+def test_without_recompute_early_recomputation_waits_for_the_outputs() -> None:
+    """The control: without the trigger nothing has started at the head."""
+    n = 3
+    log, lock, experts, head, tail, xs, outs = _early_setup(n)
+    started: List[bool] = []
+    head.register_full_backward_hook(
+        lambda m, gi, go: started.append(any(e.event.is_set() for e in experts)))
+    tail(torch.relu(head(torch.stack(outs).sum(dim=0)))).sum().backward()
+    assert started == [False]
+    assert [e.recomputations for e in experts] == [1] * n
+
+
+@pytest.mark.timeout(60)
+def test_recompute_early_results_equal_without_it() -> None:
+    def run(early: bool) -> List[Tensor]:
+        log, lock, experts, head, tail, xs, outs = _early_setup(4, checkpoint=[True, False, True, True])
+        h = head(torch.cat(outs))
+        if early:
+            trigger = h
+            h = recompute_early(h, outs)
+            assert h is not trigger
+        loss = tail(torch.relu(h)).pow(2).sum()
+        loss.backward()
+        params = [p for m in [*experts, head, tail] for p in m.parameters()]
+        # only the checkpointed calls recompute
+        assert [e.recomputations for e in experts] == [1, 0, 1, 1]
+        return [loss.detach()] + [x.grad for x in xs] + [p.grad for p in params]
+
+    for a, b in zip(run(True), run(False)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_recompute_early_returns_trigger_when_nothing_to_recompute() -> None:
+    _, _, _, head, _, _, outs = _early_setup(2, checkpoint=False)
+    h = head(torch.cat(outs))
+    assert recompute_early(h, outs) is h
+    _, _, _, head, _, _, outs = _early_setup(2, checkpoint=True)
+    with torch.no_grad():
+        h = head(torch.cat(outs))
+    assert recompute_early(h, outs) is h  # the trigger needs no gradient
+
+
+@pytest.mark.timeout(60)
+def test_recompute_early_recomputations_overlap(fresh_pool: Any) -> None:
+    """All recomputations started at the trigger meet at one barrier."""
+    fresh_pool(32)
+    n = 6
+    barrier = threading.Barrier(n, timeout=10)
+
+    class Meeting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(D, D)
+
+        def forward(self, x: Tensor) -> Tensor:
+            if is_recomputing():
+                barrier.wait()
+            return self.fc(x)
+
+    torch.manual_seed(0)
+    experts = [Meeting() for _ in range(n)]
+    xs = [torch.randn(3, D, requires_grad=True) for _ in range(n)]
+    outs = parallel_apply(experts, xs, checkpoint=True)
+    h = recompute_early(torch.stack(outs).sum(dim=0), outs)
+    h.sum().backward()
+    for x in xs:
+        assert x.grad is not None
+    assert not barrier.broken
+
+
+# -- leaks -------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
+def test_local_graph_freed_after_backward(checkpoint: bool) -> None:
+    torch.manual_seed(0)
+    n = 3
+    experts = [Recording() for _ in range(n)]
+    xs = [torch.randn(4, D, requires_grad=True) for _ in range(n)]
+    outs = parallel_apply(experts, xs, checkpoint=checkpoint)
+    sum(o.sum() for o in outs).backward()
+    # Every activation the expert made (forward and recomputation) dies with
+    # backward, while the caller still holds the outputs.
+    refs = [run["activation"] for e in experts for run in e.runs]
+    assert len(refs) == (2 * n if checkpoint else n)
+    assert _wait_dead(refs) == [False] * len(refs)
+    assert all(o is not None for o in outs)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
+def test_saved_inputs_freed_after_backward(checkpoint: bool) -> None:
+    """The call's copies of its inputs go with backward, even while the caller
+    holds the outputs (an input made by an earlier layer is not kept alive)."""
+    torch.manual_seed(0)
+    n = 3
+    experts = [Expert() for _ in range(n)]
+    w = torch.randn(D, requires_grad=True)
+    xs = [torch.randn(4, D) * w for _ in range(n)]  # intermediates of the caller's graph
+    refs = [weakref.ref(x) for x in xs]
+    outs = parallel_apply(experts, xs, checkpoint=checkpoint)
+    del xs
+    sum(o.sum() for o in outs).backward()
+    assert _wait_dead(refs) == [False] * n
+    assert w.grad is not None and len(outs) == n
