@@ -335,8 +335,8 @@ def accumulates_into_leaves() -> bool:
 
 def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
     state = capture()
-    # False when the engine computes only some inputs' gradients (the test
-    # reentrant torch.utils.checkpoint makes): then calls must not touch other leaves.
+    # False when the engine computes only some inputs' gradients (the check
+    # the reentrant torch.utils.checkpoint makes): calls must not touch other leaves.
     accumulate = torch.autograd._is_checkpoint_valid()
 
     def task(i: int) -> Callable[[], Grads]:

@@ -21,6 +21,7 @@ Every child process is stopped on exit, Ctrl-C included.
 import argparse
 import multiprocessing as mp
 import os
+import signal
 import socket
 import statistics
 import sys
@@ -117,6 +118,9 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    # Ctrl-C reaches the whole process group: the demo process shuts the
+    # servers down in order, so they must not die on their own first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
     options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
                                               num_worker_threads=16, rpc_timeout=60)

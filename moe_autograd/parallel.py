@@ -72,9 +72,6 @@ def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
     return leaves
 
 
-_COMMIT_LOCK = threading.Lock()
-
-
 class ModuleCall(IsolatedCall):
     """One call of an expert (module or callable) on an isolated graph."""
 
@@ -216,14 +213,10 @@ class ModuleCall(IsolatedCall):
 
     def commit(self) -> None:
         held, self._held = self._held, []
-        # Calls of several graphs (user threads) commit into shared parameters
-        # concurrently: the None check and the in-place add must not interleave.
-        with _COMMIT_LOCK, torch.no_grad():
-            for param, grad in held:
-                if param.grad is None:
-                    param.grad = grad.detach().clone()
-                else:
-                    param.grad += grad
+        if held:
+            # Through PyTorch's own AccumulateGrad: its lock orders concurrent
+            # commits into shared parameters, and the parameters' hooks fire.
+            torch.autograd.backward([p for p, _ in held], [g for _, g in held])
 
     def release(self) -> None:
         # A checkpointed call outlives release (its outputs' tag and the
@@ -289,6 +282,16 @@ def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[boo
     return [bool(v) for v in values]
 
 
+def _import_lazy_modules(checkpoint: bool) -> None:
+    """PyTorch imports sympy (first backward with explicit gradients) and
+    dynamo (first dispatch mode: the RNG of a checkpointed call) on first use,
+    which takes seconds. Paid here, on the caller's thread, before any
+    deadline starts, rather than inside the first calls' deadlines."""
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    if checkpoint:
+        import torch._dynamo  # noqa: F401
+
+
 def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
                 checkpoint: Union[bool, Sequence[bool]] = False,
@@ -315,6 +318,7 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                    name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
+    _import_lazy_modules(any(call.checkpoint for call in calls))
     state = capture()
     grad_enabled = torch.is_grad_enabled()
 

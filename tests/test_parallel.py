@@ -531,7 +531,6 @@ def test_nested_calls_with_two_workers_in_a_fresh_process(run_python):
         import json, threading, torch
         from torch import nn
         from moe_autograd import map_with_parallel_backward, parallel_apply
-from moe_autograd.executor import DEFAULT_WORKERS
         from moe_autograd import executor
 
         class Square(torch.autograd.Function):

@@ -60,9 +60,15 @@ On A (rank 0), in the training script::
         ...  # e.g. experts[i].step() with a server-side optimizer
     rpc.shutdown()   # the server exits once every worker has shut down
 
-The server also stops on SIGINT/SIGTERM. On one machine, the same recipe runs
-on loopback (``MASTER_ADDR=127.0.0.1``); :mod:`moe_autograd.remote.loopback`
-starts such worlds for tests and benchmarks.
+The server also stops on SIGINT/SIGTERM (requests in flight get
+``--drain-timeout`` seconds). Construct ``RemoteExpert``\ s with deadlines in
+production: a dead or unreachable server then fails the call with a
+``RemoteExpertError`` (or ``RemoteTimeoutError``) that names worker and expert.
+
+On one machine the same recipe runs on loopback (``MASTER_ADDR=127.0.0.1``);
+pass ``--transports uv`` when server processes outnumber cores (TensorPipe's
+same-host ``shm`` transport busy-polls). :mod:`moe_autograd.remote.loopback`
+starts such worlds for tests and benchmarks (``moe_autograd.bench_remote``).
 """
 from .client import RemoteCall, RemoteExpert, flush_releases
 from .errors import RemoteExpertError, RemoteTimeoutError

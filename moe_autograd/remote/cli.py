@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-states", type=int, default=1024)
     p.add_argument("--num-worker-threads", type=int, default=16)
     p.add_argument("--rpc-timeout", type=float, default=60.0)
+    p.add_argument("--transports", metavar="LIST",
+                   help="TensorPipe transports, e.g. 'uv' (default: TensorPipe's choice; its "
+                        "same-host 'shm' transport busy-polls, so prefer 'uv' when server "
+                        "processes outnumber cores)")
     p.add_argument("--drain-timeout", type=float, default=10.0)
     return p
 
@@ -99,17 +103,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise TypeError(f"{args.experts} returned {type(experts).__name__}, not a dict")
     optimizer = load_object(args.optimizer) if args.optimizer else None
     name = args.name or f"expert-server-{args.rank}"
+    extra = {"_transports": args.transports.split(",")} if args.transports else {}
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{args.master_addr}:{args.master_port}",
-        num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout)
-    stop, world_done = threading.Event(), threading.Event()
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout, **extra)
     server = ExpertServer(experts, backward=args.backward, optimizer=optimizer,
                           auto_step=not args.manual_step, state_ttl=args.state_ttl,
                           max_states=args.max_states)  # before init_rpc: no request finds it missing
     rpc.init_rpc(name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options)
+    stop, world_done = threading.Event(), threading.Event()
+    if threading.current_thread() is threading.main_thread():  # (a signal during init_rpc kills)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
     _log(f"worker {name!r} (rank {args.rank}, world size {args.world_size or 'dynamic'}) "
          f"serves {sorted(experts)} ({args.backward} backward)")
     if args.world_size:

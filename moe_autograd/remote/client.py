@@ -33,6 +33,7 @@ Invariants:
 """
 import collections
 import itertools
+import os
 import threading
 import time
 import uuid
@@ -45,8 +46,9 @@ from torch import Tensor, nn
 from ..phony import get_phony
 from ..rng import CallRng
 from .errors import RemoteExpertError, RemoteTimeoutError
-from .server import serve_backward, serve_control, serve_forward, serve_release
-from .transport import Transport, TransportError, TransportTimeout, get_transport
+from .server import OPS, serve_release
+from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
+                        get_transport)
 
 __all__ = ["RemoteExpert", "RemoteCall", "flush_releases"]
 
@@ -97,6 +99,14 @@ class _Releaser:
 _releaser = _Releaser()
 
 
+def _after_fork_in_child() -> None:  # the parent's flusher thread does not exist here
+    _releaser._started = False
+    _releaser._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def flush_releases() -> int:
     """Sends pending releases now; returns how many call ids were sent."""
     return _releaser.flush()
@@ -110,7 +120,7 @@ class _Call:
 
     def __init__(self, expert: "RemoteExpert", seed: int) -> None:
         self.expert, self.seed = expert, seed
-        self.call_id = f"{_prefix}-{next(_ids)}"
+        self.call_id = f"{_prefix}-{os.getpid()}-{next(_ids)}"  # unique across forks too
         self.single, self.mode, self.flags = True, "none", []  # type: ignore[var-annotated]
         self.finalizer: Optional[weakref.finalize] = None
 
@@ -207,14 +217,13 @@ class RemoteExpert(nn.Module):
     def _function_args(call: _Call, args: Sequence[Any]) -> Tuple[Any, ...]:
         return (call, get_phony(torch.device("cpu"), requires_grad=True), *args)
 
-    def _request(self, what: str, fn: Any, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
+    def _request(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
         where = f"{what} of expert {self.name!r} on worker {self.worker!r}"
         try:
-            pending = self.transport.call(self.worker, fn, args, timeout)
-        except TransportError as error:
-            raise RemoteExpertError(f"{where} could not be sent: {error}") from error
-        try:
+            pending = self.transport.call(self.worker, OPS[op], args, timeout)
             reply = pending.result(None if timeout is None else timeout + GRACE_S)
+        except TransportSendError as error:
+            raise RemoteExpertError(f"{where} could not be sent: {error}") from error
         except TransportTimeout as error:
             limit = f"its {timeout:g} s deadline" if timeout is not None else "the transport's timeout"
             raise RemoteTimeoutError(f"{where} missed {limit} ({error})") from error
@@ -232,7 +241,7 @@ class RemoteExpert(nn.Module):
         flags = [bool(grad and isinstance(a, Tensor) and a.requires_grad) for a in args]
         request = (self.name, call.call_id, call.seed, grad, flags, tuple(_wire(a) for a in args))
         try:
-            outputs, single, diff, mode = self._request("forward", serve_forward, request,
+            outputs, single, diff, mode = self._request("forward", "forward", request,
                                                         self.forward_timeout)
         except RemoteTimeoutError:
             if grad:  # the server may still store a state for it: release it
@@ -250,11 +259,11 @@ class RemoteExpert(nn.Module):
         request = (self.name, call.call_id, call.seed,
                    None if args is None else tuple(_wire(a) for a in args),
                    call.flags, [_wire(g) for g in grads])
-        return list(self._request("backward", serve_backward, request, self.backward_timeout))
+        return list(self._request("backward", "backward", request, self.backward_timeout))
 
     # -- the server-side module ------------------------------------------------
     def _control(self, op: str, payload: Any = None) -> Any:
-        return self._request(op, serve_control, (self.name, op, payload), self.forward_timeout)
+        return self._request(op, "control", (self.name, op, payload), self.forward_timeout)
 
     def step(self) -> None:
         """Runs the server-side optimizer's ``step()`` for this expert."""

@@ -12,8 +12,11 @@ Invariants:
   ``rpc.shutdown()`` (the standard static-world pattern), then exits 0.
 * :func:`stop_processes` leaves no process behind: join, terminate, kill.
 * A process joins at most one RPC world in its life: re-initialising RPC in
-  the same process after ``rpc.shutdown()`` hangs in torch's rendezvous, so a
-  second world needs fresh processes (clients too).
+  the same process after ``rpc.shutdown()`` hangs in torch's rendezvous
+  (torch 2.13, seen here), so a second world needs fresh processes.
+* :func:`backend_options` uses TensorPipe's ``uv`` transport: the default
+  same-host ``shm`` transport busy-polls (measured: ~20-35 % of a core per
+  idle process), which starves worlds of more processes than cores.
 """
 import multiprocessing
 import socket

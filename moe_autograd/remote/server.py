@@ -37,7 +37,8 @@ from . import execution as ex
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
 
-__all__ = ["ExpertServer", "serve_forward", "serve_backward", "serve_release", "serve_control"]
+__all__ = ["ExpertServer", "serve_forward", "serve_backward", "serve_release", "serve_control",
+           "OPS"]
 
 Reply = Tuple[str, Any]  # ("ok", value) or ("error", text)
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
@@ -262,3 +263,8 @@ def serve_release(call_ids: Sequence[str]) -> Reply:
         return "ok", sum(s.release(ids) for s in stores.values() if s is not None)
     except Exception as error:  # noqa: BLE001
         return "error", f"{type(error).__name__}: {error}"
+
+
+OPS: Dict[str, Callable[..., Reply]] = {
+    "forward": serve_forward, "backward": serve_backward, "control": serve_control}
+

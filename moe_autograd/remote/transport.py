@@ -11,7 +11,7 @@ returns a :class:`Pending` whose ``result(timeout)`` blocks for the reply.
 
 Invariants:
 
-* ``call`` never blocks on the peer; it raises :class:`TransportError` only if
+* ``call`` never blocks on the peer; it raises :class:`TransportSendError` only if
   the request cannot be sent at all (unknown worker, unpicklable arguments,
   transport not initialised).
 * ``Pending.result`` raises :class:`TransportTimeout` when the reply has not
@@ -22,12 +22,16 @@ Invariants:
 """
 from typing import Any, Callable, Optional, Protocol, Tuple
 
-__all__ = ["Transport", "Pending", "TransportError", "TransportTimeout", "RpcTransport",
-           "get_transport", "set_transport"]
+__all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
+           "RpcTransport", "get_transport", "set_transport"]
 
 
 class TransportError(Exception):
     """The request could not be sent, or its reply never came back."""
+
+
+class TransportSendError(TransportError):
+    """The request could not be sent at all (nothing reached the peer)."""
 
 
 class TransportTimeout(TransportError):
@@ -103,7 +107,7 @@ class RpcTransport:
         try:
             future = rpc.rpc_async(worker, fn, args=args, timeout=rpc_timeout)
         except Exception as error:  # noqa: BLE001 - unknown worker, pickling, not initialised
-            raise TransportError(f"{type(error).__name__}: {error}") from error
+            raise TransportSendError(f"{type(error).__name__}: {error}") from error
         return _RpcPending(future)
 
     def local_name(self) -> str:
