@@ -262,7 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     servers = [ctx.Process(target=_serve, args=(rank, world_size, port, server_args),
                            name=f"moe_autograd-demo-server{rank - 1}", daemon=True)
                for rank in range(1, world_size)]
-    rpc_up = False
+    rpc_up = interrupted = False
     try:
         for proc in servers:
             proc.start()
@@ -311,17 +311,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{min(30, args.steps)} steps)")
         return 0
     except KeyboardInterrupt:
+        interrupted = True
         print("\ninterrupted", file=sys.stderr)
         return 130
     finally:
         if rpc_up:
             import torch.distributed.rpc as rpc
+            # A graceful shutdown waits for every peer: only when all are alive
+            # and nothing was interrupted, and even then not forever.
+            graceful = not interrupted and all(p.is_alive() for p in servers)
             try:
-                rpc.shutdown(graceful=all(p.is_alive() for p in servers))
+                rpc.shutdown(graceful=graceful, timeout=10) if graceful else rpc.shutdown(graceful=False)
             except Exception:  # noqa: BLE001 - tearing down anyway
                 pass
         for proc in servers:
-            proc.join(timeout=10)
+            proc.join(timeout=10 if not interrupted else 1)
             if proc.is_alive():
                 proc.terminate()
                 proc.join(timeout=5)

@@ -36,6 +36,7 @@ __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled"]
 T = TypeVar("T")
 
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
+_thread_role = threading.local()  # .worker is True on the pool's threads
 DEFAULT_WORKERS = 32
 
 
@@ -77,6 +78,12 @@ class TaskGroup(Generic[T]):
             self.results[i] = fn()  # type: ignore[misc]
         except BaseException as error:  # noqa: B902 - a worker must survive anything
             self.errors[i] = error
+            self._finish(i, _DONE)
+            # Ctrl-C (or SystemExit) while the caller helps must stop the caller,
+            # not become one more failed call that a tolerant caller masks.
+            if not isinstance(error, Exception) and not getattr(_thread_role, "worker", False):
+                raise
+            return True
         self._finish(i, _DONE)
         return True
 
@@ -196,6 +203,7 @@ class WorkerPool:
         thread.start()
 
     def _work(self) -> None:
+        _thread_role.worker = True
         while True:
             group = self._tickets.get()
             with self._lock:

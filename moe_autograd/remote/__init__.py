@@ -61,7 +61,7 @@ On A (rank 0), in the training script::
     rpc.shutdown()   # the server exits once every worker has shut down
 
 The server also stops on SIGINT/SIGTERM (requests in flight get
-``--drain-timeout`` seconds). Construct ``RemoteExpert``\ s with deadlines in
+``--drain-timeout`` seconds). Give each ``RemoteExpert`` deadlines in
 production: a dead or unreachable server then fails the call with a
 ``RemoteExpertError`` (or ``RemoteTimeoutError``) that names worker and expert.
 
