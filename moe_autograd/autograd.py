@@ -354,10 +354,10 @@ def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Gr
     policy = plan.policy
     fns = [task(i) for i in range(len(calls))]
     if policy is None or not (policy.tolerate_failures or policy.timeout is not None):
-        results = run_all(fns, f"{plan.name} backward: call")
+        grads = run_all(fns, f"{plan.name} backward: call")
         for call in calls:
             call.commit()
-        return results
+        return grads
     group = get_pool().submit(fns)
     # Under a deadline the caller never runs a call itself: it could not leave
     # a straggler before the deadline.

@@ -27,7 +27,7 @@ Invariants:
   so it reproduces its forward exactly, whatever other threads draw meanwhile.
 """
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -59,7 +59,9 @@ def _device_of(module: Expert, leaves: Sequence[Any]) -> torch.device:
 
 def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
     """Every leaf tensor that requires grad under ``outputs``' graphs."""
-    seen, leaves, stack = set(), [], [o.grad_fn for o in outputs if o.grad_fn is not None]
+    seen: Set[Any] = set()
+    leaves: List[Tensor] = []
+    stack: List[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:

@@ -38,7 +38,9 @@ def run(quick: bool = False) -> List[Dict[str, object]]:
     slow = MixtureOfExperts([_Expert(width) for _ in range(experts)], width, k=2,
                             forward_timeout=timeout)
     slow.load_state_dict(fast.state_dict())
-    slow.experts[0].stall = 1.0  # type: ignore[union-attr]
+    straggler = slow.experts[0]
+    assert isinstance(straggler, _Expert)
+    straggler.stall = 1.0
     # Route every token to the straggler too, so each step meets it.
     with torch.no_grad():
         slow.gate.bias[0] = fast.gate.bias[0] = 10.0
