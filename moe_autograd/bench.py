@@ -366,7 +366,8 @@ def _calls_under(outs: Sequence[Tensor]) -> List[Any]:
     """The call records of every parallel node in ``outs``' graphs (found by
     walking ``grad_fn``: a node's ctx keeps its plan)."""
     calls: List[Any] = []
-    seen, stack = set(), [o.grad_fn for o in outs if o.grad_fn is not None]
+    seen: Set[Any] = set()
+    stack: List[Any] = [o.grad_fn for o in outs if o.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
