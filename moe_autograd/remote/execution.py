@@ -40,10 +40,10 @@ def warm_up() -> None:
 
 
 def module_device(module: nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for param in module.parameters():
+        return param.device
+    for buffer in module.buffers():
+        return buffer.device
     return torch.device("cpu")
 
 

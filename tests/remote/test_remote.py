@@ -140,7 +140,8 @@ def test_auto_step_after_each_backward(world) -> None:
     local(x).sum().backward()
     with torch.no_grad():
         for p in local.parameters():
-            p -= 0.1 * p.grad
+            assert p.grad is not None
+            p.sub_(0.1 * p.grad)
     torch.testing.assert_close(expert.remote_state_dict(), local.state_dict())
     assert all(g is None for g in expert.remote_grads().values())
 
