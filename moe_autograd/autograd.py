@@ -152,9 +152,15 @@ class IsolatedCall:
         """Whether backward must reach this call (its inputs or parameters)."""
         return any(t.requires_grad for t in self.inputs)
 
-    def backward(self, grad_outputs: Grads) -> Grads:
-        """Runs on a worker: one gradient per entry of ``inputs``."""
+    def backward(self, grad_outputs: Grads) -> Any:
+        """Runs on a worker; returns what :meth:`input_grads` turns into one
+        gradient per entry of ``inputs``."""
         raise NotImplementedError
+
+    def input_grads(self, raw: Any) -> Grads:
+        """Runs on the caller after the join (off the concurrent phase, where
+        every bit of Python holds the GIL against the other calls)."""
+        return raw  # type: ignore[no-any-return]
 
     def commit(self) -> None:
         """Makes side effects of an accepted backward visible (e.g. parameter
@@ -339,22 +345,33 @@ def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Gr
     # the reentrant torch.utils.checkpoint makes): calls must not touch other leaves.
     accumulate = torch.autograd._is_checkpoint_valid()
 
-    def task(i: int) -> Callable[[], Grads]:
-        def run() -> Grads:
-            if accumulate:
-                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+    policy = plan.policy
+    strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
+
+    def task(i: int) -> Callable[[], Any]:
+        call = calls[i]
+
+        def run() -> Any:
             previous = accumulates_into_leaves()
-            _backward_mode.accumulate = False
+            _backward_mode.accumulate = accumulate
             try:
-                return _check_grads(plan, i, calls[i], calls[i].backward(per_call[i]))
+                raw = call.backward(per_call[i])
             finally:
                 _backward_mode.accumulate = previous
+            # A tolerant caller must see a malformed result as this call's failure.
+            return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
         return bind(state, run)
 
-    policy = plan.policy
     fns = [task(i) for i in range(len(calls))]
-    if policy is None or not (policy.tolerate_failures or policy.timeout is not None):
-        grads = run_all(fns, f"{plan.name} backward: call")
+    if strict:
+        raws = run_all(fns, f"{plan.name} backward: call")
+        grads = []
+        for i, (call, raw) in enumerate(zip(calls, raws)):
+            try:
+                grads.append(_check_grads(plan, i, call, call.input_grads(raw)))
+            except BaseException as error:
+                error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                raise
         for call in calls:
             call.commit()
         return grads
@@ -418,15 +435,20 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
 
 
 class _FunctionCall(IsolatedCall):
-    """One call of an autograd Function, run through the emulated context."""
+    """One call of an autograd Function, run through the emulated context.
 
-    def __init__(self, func: FunctionType, args: Tuple[Any, ...], index: int, count: int) -> None:
+    Only ``run_isolated_forward``/``run_isolated_backward`` run on workers;
+    the bookkeeping around them runs on the caller (see
+    :meth:`IsolatedCall.input_grads`).
+    """
+
+    def __init__(self, func: FunctionType, args: Tuple[Any, ...], index: int, count: int,
+                 ctx: EmulatedAutogradContext, outputs: Any) -> None:
         self.func = func
         self.index, self.count = index, count
         self.num_args = len(args)
         self.tensor_positions = [k for k, a in enumerate(args) if isinstance(a, Tensor)]
         self.inputs = [args[k] for k in self.tensor_positions]
-        ctx, outputs = run_isolated_forward(func, *args)
         self.results: Tuple[Any, ...] = outputs if isinstance(outputs, tuple) else (outputs,)
         self.output_positions = [k for k, o in enumerate(self.results) if isinstance(o, Tensor)]
         self.outputs = [self.results[k] for k in self.output_positions]
@@ -443,16 +465,19 @@ class _FunctionCall(IsolatedCall):
     def _name(self) -> str:
         return f"{self.func.__name__} (call {self.index} of {self.count})"
 
-    def backward(self, grad_outputs: Grads) -> Grads:
-        if self.ctx is None:
+    def backward(self, grad_outputs: Grads) -> Tuple[Optional[Tensor], ...]:
+        ctx = self.ctx
+        if ctx is None:
             raise RuntimeError(f"{self._name()}: backward after its state was freed")
         if len(self.output_positions) == len(self.results):
-            grads_by_output = grad_outputs
-        else:
-            grads_by_output = [None] * len(self.results)
-            for k, g in zip(self.output_positions, grad_outputs):
-                grads_by_output[k] = g
-        grads = run_isolated_backward(self.func, self.ctx, *grads_by_output)
+            return run_isolated_backward(self.func, ctx, *grad_outputs)
+        grads_by_output: List[Optional[Tensor]] = [None] * len(self.results)
+        for k, g in zip(self.output_positions, grad_outputs):
+            grads_by_output[k] = g
+        return run_isolated_backward(self.func, ctx, *grads_by_output)
+
+    def input_grads(self, raw: Any) -> Grads:
+        grads: Tuple[Optional[Tensor], ...] = raw
         n = self.num_args
         if len(grads) < n or any(g is not None for g in grads[n:]):
             raise RuntimeError(
@@ -484,10 +509,13 @@ def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
     n = len(args_per_call)
     state = capture()
 
-    def task(i: int) -> Callable[[], _FunctionCall]:
-        return bind(state, lambda: _FunctionCall(func, tuple(args_per_call[i]), i, n))
+    args = [tuple(a) for a in args_per_call]
 
-    calls = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
+    def task(i: int) -> Callable[[], Tuple[EmulatedAutogradContext, Any]]:
+        return bind(state, lambda: run_isolated_forward(func, *args[i]))
+
+    ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
+    calls = [_FunctionCall(func, args[i], i, n, ctx, outputs) for i, (ctx, outputs) in enumerate(ran)]
     attached = attach(calls, name=func.__name__)
     results = []
     for call, outs in zip(calls, attached):

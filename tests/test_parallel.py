@@ -680,6 +680,7 @@ def test_autocast_reaches_workers_and_is_restored():
     assert all(o.dtype == torch.float32 for o in outs)
 
 
+@pytest.mark.timeout(60)
 def test_saved_tensors_hooks_see_the_workers_saved_tensors():
     e = Expert(seed=0)
     x = randn(2, 4, seed=1)
@@ -702,8 +703,15 @@ def test_saved_tensors_hooks_see_the_workers_saved_tensors():
     assert seq_packs
 
     log = []
+    # The barrier makes the three calls run on three threads, so that at least
+    # two of them run on workers (the caller may run one itself).
+    barrier = threading.Barrier(3, timeout=10)
+
+    def rendezvous_then_e(t):
+        barrier.wait()
+        return e(t)
     with torch.autograd.graph.saved_tensors_hooks(*recorder(log)):
-        outs = parallel_apply([e, e, e], [x, x, x])
+        outs = parallel_apply([rendezvous_then_e] * 3, [x, x, x])
     sum(o.sum() for o in outs).backward()
     packs = sorted(s for kind, s, _ in log if kind == "pack" and 0 not in s)
     assert packs == sorted(seq_packs * 3)
