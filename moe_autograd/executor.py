@@ -59,7 +59,11 @@ class TaskGroup(Generic[T]):
         self._remaining = n
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._waiters = 0  # notify only when someone waits: the common case is nobody
+        # Wake a waiter only when it can act: when the last call finishes, or
+        # on every completion for a waiter with an ``until`` condition. Waking
+        # it at each of n completions costs n GIL hand-offs.
+        self._waiters = 0
+        self._watchers = 0
         self._pool = pool
 
     def __len__(self) -> int:
@@ -92,7 +96,7 @@ class TaskGroup(Generic[T]):
         with self._lock:
             self._state[i] = state
             self._remaining -= 1
-            if self._waiters:
+            if self._watchers or (self._waiters and not self._remaining):
                 self._cond.notify_all()
 
     def done(self, i: int) -> bool:
@@ -124,7 +128,9 @@ class TaskGroup(Generic[T]):
             return True
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            watching = until is not None
             self._waiters += 1
+            self._watchers += watching
             try:
                 while self._remaining and not (until is not None and until()):
                     if deadline is None:
@@ -136,6 +142,7 @@ class TaskGroup(Generic[T]):
                     self._cond.wait(left)
             finally:
                 self._waiters -= 1
+                self._watchers -= watching
         return True
 
     def cancel(self) -> None:

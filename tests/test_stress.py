@@ -17,7 +17,7 @@ from torch import nn
 from torch.autograd import Function
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
-from moe_autograd.autograd import BackwardPolicy
+from moe_autograd.node import BackwardPolicy
 from moe_autograd.parallel import finish_calls, start_calls
 
 DT = torch.float64

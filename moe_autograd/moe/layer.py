@@ -25,7 +25,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from ..autograd import BackwardPolicy
+from ..node import BackwardPolicy
 from ..executor import CallCancelled, TaskGroup
 from ..parallel import ModuleCall, finish_calls, start_calls
 from .gating import combine_weights, load_balancing_loss, route

@@ -1,0 +1,343 @@
+"""The one autograd node that runs many calls, forward and backward.
+
+PyTorch's engine runs the CPU backward of one ``backward()`` on the calling
+thread, node after node. To overlap many expert calls in backward, this module
+hides every call's own graph behind ONE node, ``_ParallelNode``: its forward
+returns the outputs that the calls already computed on workers, and its
+backward hands each call's output gradients to a worker and joins them::
+
+    inputs ──┬─ call 0 (own graph, run on a worker) ─┐
+             ├─ call 1 ─────────────────────────────┤──> _ParallelNode ──> outputs
+             └─ call n-1 ───────────────────────────┘
+    backward: _ParallelNode.backward ─ fan out ─> call i.backward(grads_i) ─ join
+
+A *call record* (:class:`IsolatedCall`) is what the node needs of a call: its
+tensor inputs and outputs, and a ``backward`` that runs on a worker. Autograd
+Functions (:func:`map_with_parallel_backward`) and modules
+(:func:`moe_autograd.parallel.parallel_apply`) supply their own records.
+
+Invariants:
+
+* The node's outputs are new tensor objects (detached views), so no call's own
+  graph is ever rewired by the outer engine.
+* Every call is joined before the node's backward returns or raises: a failing
+  call never leaves another one running on half-freed state.
+* Call records live until the engine releases the node (after a backward
+  without ``retain_graph``, or when the outputs die), never longer.
+"""
+import threading
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .executor import get_pool, run_all
+from .phony import get_phony
+from .tls import bind, capture
+
+__all__ = ["IsolatedCall", "BackwardPolicy", "attach", "accumulates_into_leaves", "Grads"]
+
+Grads = List[Optional[Tensor]]
+
+
+class IsolatedCall:
+    """What :func:`attach` needs of one call. Subclasses fill ``inputs`` (the
+    caller's tensors that may need gradients), ``outputs`` (tensors computed on
+    a worker) and implement :meth:`backward`."""
+
+    inputs: List[Tensor]
+    outputs: List[Tensor]
+    #: Output tensors (as objects in ``outputs``) autograd must not differentiate.
+    non_differentiable: Sequence[Tensor] = ()
+    #: Maps an output position to the input position it modified in place.
+    dirty: Sequence[Tuple[int, int]] = ()
+    #: When False, ``None`` output gradients are passed on as None.
+    materialize_grads = True
+
+    @property
+    def needs_grad(self) -> bool:
+        """Whether backward must reach this call (its inputs or parameters)."""
+        return any(t.requires_grad for t in self.inputs)
+
+    def backward(self, grad_outputs: Grads) -> Any:
+        """Runs on a worker; returns what :meth:`input_grads` turns into one
+        gradient per entry of ``inputs``."""
+        raise NotImplementedError
+
+    def input_grads(self, raw: Any) -> Grads:
+        """Runs on the caller after the join (off the concurrent phase, where
+        every bit of Python holds the GIL against the other calls)."""
+        return raw  # type: ignore[no-any-return]
+
+    def commit(self) -> None:
+        """Makes side effects of an accepted backward visible (e.g. parameter
+        gradients held back under a tolerant :class:`BackwardPolicy`)."""
+
+    def release(self) -> None:
+        """Frees what the call kept for backward."""
+
+
+class BackwardPolicy:
+    """How the node treats calls that fail in backward.
+
+    The default raises the first failure, after joining every call. With
+    ``tolerate_failures`` a call that raises or misses ``timeout`` is treated
+    as a constant (no gradient into its inputs or, if it holds them back until
+    :meth:`IsolatedCall.commit`, its parameters); ``check`` then sees each
+    call's outcome (None for success, else its error; a :class:`TimeoutError`
+    for a call past the deadline) and may raise.
+    """
+
+    def __init__(
+        self,
+        timeout: Optional[float] = None,
+        tolerate_failures: bool = False,
+        check: Optional[Callable[[List[Optional[BaseException]]], None]] = None,
+    ) -> None:
+        self.timeout = timeout
+        self.tolerate_failures = tolerate_failures
+        self.check = check
+
+
+class _Plan:
+    """What the node keeps between forward and backward."""
+
+    def __init__(self, calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy],
+                 name: str) -> None:
+        self.calls: Optional[Sequence[IsolatedCall]] = calls
+        self.policy = policy
+        self.name = name
+        self.lock = threading.Lock()
+        # Output metadata, to materialize zero gradients without keeping outputs.
+        self.output_meta = [
+            [(o.shape, o.dtype, o.device) for o in call.outputs] for call in calls
+        ]
+
+    def release(self) -> None:
+        with self.lock:
+            calls, self.calls = self.calls, None
+        for call in calls or ():
+            call.release()
+
+
+def _identity(x: Any) -> Any:
+    return x
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """Passes the node's input gradients through, connected to the node's
+    inputs, with a backward that raises: with ``create_graph`` the gradients
+    must never be differentiated silently as constants.
+
+    ``torch.autograd.function.once_differentiable`` is not enough here: it
+    guards only when an incoming gradient requires grad, and its error node
+    hangs off fresh leaves, so ``torch.autograd.grad(..., inputs)`` never
+    reaches it. A gradient penalty on ``grad(y.sum(), x, create_graph=True)``
+    would then lose its second-order term without a word."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        return tuple(None if g is None else g.view_as(g) for g in tensors[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
+        raise RuntimeError(
+            "trying to differentiate twice a function that was marked with "
+            "@once_differentiable: the gradients of a parallel call (parallel_apply, "
+            "map_with_parallel_backward) do not support double backward")
+
+
+class _ParallelNode(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, phony: Tensor, *inputs: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        ctx.plan = plan
+        ctx.set_materialize_grads(False)
+        outputs: List[Tensor] = []
+        non_differentiable: List[Tensor] = []
+        dirty: List[Tensor] = []
+        offset = 0
+        assert plan.calls is not None
+        for call in plan.calls:
+            if not (call.dirty or call.non_differentiable):
+                outputs.extend([out.detach() for out in call.outputs])
+                offset += len(call.inputs)
+                continue
+            dirty_at = dict(call.dirty)
+            nondiff = {id(t) for t in call.non_differentiable}
+            for k, out in enumerate(call.outputs):
+                if k in dirty_at:
+                    result = inputs[offset + dirty_at[k]]
+                    dirty.append(result)
+                else:
+                    result = out.detach()
+                if id(out) in nondiff:
+                    non_differentiable.append(result)
+                outputs.append(result)
+            offset += len(call.inputs)
+        if dirty:
+            ctx.mark_dirty(*dirty)
+        if non_differentiable:
+            ctx.mark_non_differentiable(*non_differentiable)
+        # Release the calls when the engine frees this node's saved state: a
+        # backward without retain_graph, or the node's death. The token is only
+        # referenced by the saved state (see attach() for the hooks).
+        token = torch.empty(0)
+        weakref.finalize(token, plan.release)
+        ctx.save_for_backward(token)
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        plan: _Plan = ctx.plan
+        calls = plan.calls
+        if calls is None:
+            raise RuntimeError(f"{plan.name}: the calls' graphs were already freed; "
+                               "pass retain_graph=True to backward twice")
+        if not torch.is_grad_enabled():
+            return _ParallelNode._backward(plan, calls, grad_outputs)
+        # create_graph=True: the gradients come from the calls' own backward
+        # and cannot be differentiated again: make that an error, never a constant.
+        with torch.no_grad():
+            grads = _ParallelNode._backward(plan, calls, grad_outputs)
+        inputs = [t for call in calls for t in call.inputs]
+        return _NoDoubleBackward.apply(len(grads), *grads, *inputs)
+
+    @staticmethod
+    def _backward(plan: _Plan, calls: Sequence[IsolatedCall],
+                  grad_outputs: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
+        per_call: List[Grads] = []
+        offset = 0
+        for call, meta in zip(calls, plan.output_meta):
+            grads = list(grad_outputs[offset:offset + len(meta)])
+            offset += len(meta)
+            if call.materialize_grads:
+                for k, (shape, dtype, device) in enumerate(meta):
+                    if grads[k] is None and (dtype.is_floating_point or dtype.is_complex):
+                        grads[k] = torch.zeros(shape, dtype=dtype, device=device)
+            per_call.append(grads)
+        input_grads = _run_backwards(plan, calls, per_call)
+        return (None, None, *[g for grads in input_grads for g in grads])
+
+
+def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
+    n = len(call.inputs)
+    if len(grads) != n:
+        raise RuntimeError(f"{plan.name}: call {i} returned {len(grads)} gradients "
+                           f"for {n} tensor inputs")
+    for k, (grad, inp) in enumerate(zip(grads, call.inputs)):
+        if grad is not None and grad.shape != inp.shape:
+            try:
+                grads[k] = grad.sum_to_size(inp.shape)
+            except RuntimeError:
+                raise RuntimeError(
+                    f"{plan.name}: call {i} returned a gradient of shape {list(grad.shape)} "
+                    f"for input {k} of shape {list(inp.shape)}") from None
+    return grads
+
+
+_backward_mode = threading.local()
+
+
+def accumulates_into_leaves() -> bool:
+    """Inside :meth:`IsolatedCall.backward`: True when the outer backward is a
+    plain ``.backward()``, which accumulates into every leaf, parameters
+    included; False under ``torch.autograd.grad`` or ``backward(inputs=...)``,
+    which compute only what was asked and leave parameters' ``.grad`` alone."""
+    return getattr(_backward_mode, "accumulate", True)
+
+
+def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
+    state = capture()
+    # False when the engine computes only some inputs' gradients (the check
+    # the reentrant torch.utils.checkpoint makes): calls must not touch other leaves.
+    accumulate = torch.autograd._is_checkpoint_valid()
+
+    policy = plan.policy
+    strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
+
+    def task(i: int) -> Callable[[], Any]:
+        call = calls[i]
+
+        def run() -> Any:
+            previous = accumulates_into_leaves()
+            _backward_mode.accumulate = accumulate
+            try:
+                raw = call.backward(per_call[i])
+            finally:
+                _backward_mode.accumulate = previous
+            # A tolerant caller must see a malformed result as this call's failure.
+            return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
+        return bind(state, run)
+
+    fns = [task(i) for i in range(len(calls))]
+    if strict:
+        raws = run_all(fns, f"{plan.name} backward: call")
+        grads = []
+        for i, (call, raw) in enumerate(zip(calls, raws)):
+            try:
+                grads.append(_check_grads(plan, i, call, call.input_grads(raw)))
+            except BaseException as error:
+                error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                raise
+        for call in calls:
+            call.commit()
+        return grads
+    assert policy is not None
+    group = get_pool().submit(fns)
+    # Under a deadline the caller never runs a call itself: it could not leave
+    # a straggler before the deadline.
+    if not group.wait(policy.timeout, help=policy.timeout is None):
+        group.cancel()
+    ok = [group.succeeded(i) for i in range(len(calls))]
+    if not policy.tolerate_failures and not all(ok):
+        if any(e is not None for e in group.errors):
+            group.raise_first_error(f"{plan.name} backward: call")
+        late = ok.index(False)
+        raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
+                           f"missed the {policy.timeout}s deadline")
+    if policy.check is not None:
+        policy.check([
+            None if ok[i] else group.errors[i] or TimeoutError(
+                f"{plan.name} backward: call {i} of {len(calls)} missed the "
+                f"{policy.timeout}s deadline")
+            for i in range(len(calls))
+        ])
+    results: List[Grads] = []
+    for i, call in enumerate(calls):
+        if ok[i]:
+            call.commit()
+            results.append(group.results[i])  # type: ignore[arg-type]
+        else:
+            results.append([None] * len(call.inputs))
+    return results
+
+
+def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
+           name: str = "parallel call",
+           phony_device: Optional[torch.device] = None) -> List[List[Tensor]]:
+    """Hangs the calls' outputs off one ``_ParallelNode``; returns each call's
+    outputs as tensors of the caller's graph.
+
+    Without grad mode, or when no call needs a gradient, the outputs are
+    returned as they are. A phony input that requires grad keeps the node in
+    the graph when only parameters (not inputs) need gradients.
+    """
+    if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
+        for call in calls:
+            call.release()
+        return [list(call.outputs) for call in calls]
+    plan = _Plan(calls, policy, name)
+    phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
+    flat_inputs = [t for call in calls for t in call.inputs]
+    # The node saves only its release token. Identity hooks keep the caller's
+    # saved-tensor hooks (offloading, say) from copying it, which would free the
+    # calls before backward.
+    with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
+        flat = _ParallelNode.apply(plan, phony, *flat_inputs)
+    result: List[List[Tensor]] = []
+    offset = 0
+    for meta in plan.output_meta:
+        result.append(list(flat[offset:offset + len(meta)]))
+        offset += len(meta)
+    return result
