@@ -22,7 +22,6 @@ import argparse
 import multiprocessing as mp
 import os
 import signal
-import socket
 import statistics
 import sys
 import time
@@ -93,12 +92,6 @@ def server_experts(index: int, width: int, latency: float, fail_rate: float,
     return experts
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _exit_with_parent() -> None:
     """A server whose demo process died (even by SIGKILL) must not linger."""
     parent = os.getppid()
@@ -115,6 +108,7 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
     import torch.distributed.rpc as rpc
 
     from .remote import ExpertServer
+    from .remote.loopback import backend_options
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
@@ -122,10 +116,8 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
     # servers down in order, so they must not die on their own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                              num_worker_threads=16, rpc_timeout=60)
     rpc.init_rpc(f"server{rank - 1}", rank=rank, world_size=world_size,
-                 rpc_backend_options=options)
+                 rpc_backend_options=backend_options(port))
     experts = server_experts(rank - 1, args["width"], args["latency"], args["fail_rate"],
                              args["slow_rate"], args["slow_for"])
     lr = args["lr"]
@@ -255,7 +247,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dim, width, classes, lr = 8, 32, 4, 3e-3
     task = RegionTask(dim, classes, args.seed)
     world_size = args.servers + 1
-    port = _free_port()
+    from .remote.loopback import free_port
+
+    port = free_port()
     ctx = mp.get_context("spawn")
     server_args = {"width": width, "latency": args.latency, "fail_rate": args.fail_rate,
                    "slow_rate": args.slow_rate, "slow_for": args.slow_for, "lr": lr}
@@ -271,11 +265,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             import torch.distributed.rpc as rpc
 
             from .remote import RemoteExpert
+            from .remote.loopback import backend_options
 
             print(f"starting {len(servers)} expert servers on 127.0.0.1:{port} ...", flush=True)
-            options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{port}",
-                                                      num_worker_threads=16, rpc_timeout=60)
-            rpc.init_rpc("client", rank=0, world_size=world_size, rpc_backend_options=options)
+            rpc.init_rpc("client", rank=0, world_size=world_size,
+                         rpc_backend_options=backend_options(port))
             rpc_up = True
             remote = [RemoteExpert(f"server{i}", f"expert{j}",
                                    forward_timeout=args.forward_timeout, backward_timeout=5.0)
