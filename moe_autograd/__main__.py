@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 
 COMMANDS = {
     "demo": "a short tour of the runtime",
-    "bench": "baseline vs moe_autograd benchmarks (see moe_autograd/bench.py)",
+    "bench": "baseline vs moe_autograd benchmarks (see BENCHMARKS.md)",
     "serve": "serve experts to remote callers",
 }
 

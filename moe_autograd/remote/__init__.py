@@ -68,7 +68,7 @@ production: a dead or unreachable server then fails the call with a
 On one machine the same recipe runs on loopback (``MASTER_ADDR=127.0.0.1``);
 pass ``--transports uv`` when server processes outnumber cores (TensorPipe's
 same-host ``shm`` transport busy-polls). :mod:`moe_autograd.remote.loopback`
-starts such worlds for tests and benchmarks (``moe_autograd.bench_remote``).
+starts such worlds for tests and benchmarks (``moe_autograd.bench.remote``).
 """
 from .client import RemoteCall, RemoteExpert, flush_releases
 from .errors import RemoteExpertError, RemoteTimeoutError

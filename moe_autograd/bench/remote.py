@@ -1,0 +1,288 @@
+"""Benchmark: remote experts in ``parallel_apply`` vs torch's distributed autograd.
+
+Setting (loopback, one run): server processes hosting 16 experts in all, each
+expert a 64-wide ``Linear`` + ``tanh`` that sleeps ``L`` = 5 ms in forward and
+again in backward (standing in for compute that releases the GIL, like a GPU
+kernel). 16 calls (one per expert) are timed forward + backward:
+
+* ``ours``: :class:`~moe_autograd.remote.RemoteExpert` calls through
+  :func:`moe_autograd.parallel_apply` (stateful servers; a stateless row is
+  shown too: it recomputes the forward, so its floor is 3L);
+* ``torch``: the same experts called with ``rpc.rpc_async`` inside a
+  ``dist_autograd.context()`` and differentiated by
+  ``torch.distributed.autograd.backward`` (the engine's own distributed
+  backward), on the same RPC world.
+
+Goals: ours <= 0.67 x torch, and ours <= 1.5 x 2L (the limit if all 16 calls
+overlap in both passes). The same is measured with L = 50 ms, where the
+per-call CPU of the RPC layer is amortised: on a machine with few cores the
+L = 5 ms run is CPU-bound (every RPC costs about a millisecond of CPU over
+both ends), and the L = 50 ms run shows the latency-bound behaviour. Also the
+per-call overhead of a tiny expert through ``RemoteExpert`` against a bare
+``rpc_sync`` of the same module.
+
+Every row carries both times (``baseline_ms``, ``ours_ms``; a physical limit
+is a constant baseline) and is measured by :func:`..measure.measure`, as the
+in-process rows are: variants interleaved, medians, paired ratios.
+
+The world is the same in both modes (4 servers x 4 experts: the server
+count shapes the torch baseline, whose L = 50 ms time grows by half with 2
+servers x 8 experts), ``--quick`` only cuts repetitions. The client runs in a
+child process too (a process joins one RPC world in its life), so :func:`run`
+can be called from anywhere; the processes are forked from a forkserver that
+imported torch once (see :func:`_context`). ``python -m
+moe_autograd.bench.remote [--quick]`` prints the rows alone.
+"""
+import multiprocessing
+import queue as queue_module
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .measure import Plan, Row, compare, measure
+
+__all__ = ["run", "format_rows", "main", "SleepyExpert"]
+
+L_S = 0.005
+SLOW_L_S = 0.05  # the latency-bound variant: overheads amortised
+WIDTH, BATCH, CALLS = 64, 32, 16
+SERVERS = tuple(f"bench-{k}" for k in range(4))
+NAMES = tuple(f"e{k}" for k in range(CALLS // len(SERVERS)))
+TINY_CALLS = 20  # tiny-expert calls per timed sample
+_modules: Dict[str, nn.Module] = {}
+
+
+class _Sleep(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, seconds: float) -> Tensor:  # type: ignore[override]
+        ctx.seconds = seconds
+        time.sleep(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepyExpert(nn.Module):
+    """``tanh(Linear(x))`` that sleeps ``seconds`` in forward and in backward."""
+
+    def __init__(self, width: int = WIDTH, seconds: float = L_S) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.seconds = seconds
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _Sleep.apply(torch.tanh(self.lin(x)), self.seconds)
+
+
+def _setup() -> List[Any]:
+    """Server process: stateful e*, stateless sl_e*, stateful slow_e* (10 L),
+    and a tiny expert."""
+    from ..remote import ExpertServer
+
+    stateful = {n: SleepyExpert() for n in NAMES}
+    slow = {f"slow_{n}": SleepyExpert(seconds=SLOW_L_S) for n in NAMES}
+    _modules.update(stateful, **slow)
+    _modules["tiny"] = nn.Linear(4, 4)
+    return [ExpertServer(dict(stateful, **slow), backward="stateful"),
+            ExpertServer({f"sl_{n}": SleepyExpert() for n in NAMES}),
+            ExpertServer({"tiny": _modules["tiny"]})]
+
+
+def _torch_forward(name: str, x: Tensor) -> Tensor:
+    return _modules[name](x)
+
+
+def _tiny_forward(x: Tensor) -> Tensor:
+    with torch.no_grad():
+        return _modules["tiny"](x)
+
+
+def _as_dict(row: Row) -> Dict[str, Any]:
+    return {"name": row.name, "baseline_ms": row.baseline, "ours_ms": row.ours,
+            "ratio": row.ratio, "goal": row.goal, "note": row.note}
+
+
+def _measure(quick: bool, servers: Sequence[str]) -> List[Dict[str, Any]]:
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed import rpc
+
+    from .. import parallel_apply
+    from ..remote import RemoteExpert
+
+    plan = Plan.pick(quick, Plan(warmup=3, reps=30), Plan(warmup=1, reps=5))
+    slow_plan = Plan.pick(quick, Plan(warmup=1, reps=6), Plan(warmup=1, reps=2))
+    tiny_plan = Plan.pick(quick, Plan(warmup=2, reps=30, inner=TINY_CALLS),
+                          Plan(warmup=1, reps=5, inner=TINY_CALLS))
+    pairs = [(w, n) for w in servers for n in NAMES]
+    xs = [torch.randn(BATCH, WIDTH, requires_grad=True) for _ in pairs]
+    world = f"{len(pairs)} calls fwd+bwd, {len(servers)} servers x {len(NAMES)} experts"
+
+    def ours(prefix: str) -> Callable[[], None]:
+        experts = [RemoteExpert(w, prefix + n, forward_timeout=30, backward_timeout=30)
+                   for w, n in pairs]
+
+        def step() -> None:
+            outs = parallel_apply(experts, xs)
+            sum(o.sum() for o in outs).backward()
+        return step
+
+    def torch_dist(prefix: str) -> Callable[[], None]:
+        def step() -> None:
+            with dist_autograd.context() as ctx:
+                futures = [rpc.rpc_async(w, _torch_forward, args=(prefix + n, x))
+                           for (w, n), x in zip(pairs, xs)]
+                loss = sum(f.wait().sum() for f in futures)
+                dist_autograd.backward(ctx, [loss])
+        return step
+
+    big = measure({"torch": torch_dist(""), "ours": ours(""), "stateless": ours("sl_")},
+                  plan.reps, plan.warmup)
+    big["2L"] = [2e3 * L_S] * plan.reps
+    big["3L"] = [3e3 * L_S] * plan.reps
+    slow = measure({"torch": torch_dist("slow_"), "ours": ours("slow_")},
+                   slow_plan.reps, slow_plan.warmup)
+    slow["2L"] = [2e3 * SLOW_L_S] * slow_plan.reps
+
+    tiny, x = RemoteExpert(servers[0], "tiny"), torch.randn(8, 4)
+    xg = x.clone().requires_grad_()
+
+    def bare() -> None:
+        rpc.rpc_sync(servers[0], _tiny_forward, args=(x,))
+
+    def ours_no_grad() -> None:
+        with torch.no_grad():
+            tiny(x)
+
+    def ours_grad() -> None:
+        tiny(xg)
+
+    small = measure({"bare": bare, "no_grad": ours_no_grad, "grad": ours_grad},
+                    tiny_plan.reps, tiny_plan.warmup, tiny_plan.inner)
+    torch_note = "baseline = rpc_async + torch.distributed.autograd.backward"
+    rows = [
+        compare("remote/vs-torch", big, "torch", "ours", 0.67,
+                f"{world}, L = {L_S * 1e3:g} ms, stateful; {torch_note}"),
+        compare("remote/vs-limit", big, "2L", "ours", 1.5,
+                "same, stateful; baseline = physical limit 2L"),
+        compare("remote/stateless-vs-limit", big, "3L", "stateless", 1.5,
+                "same, stateless (recomputes in backward); baseline = 3L"),
+        compare("remote/L50-vs-torch", slow, "torch", "ours", 0.67,
+                f"L = {SLOW_L_S * 1e3:g} ms (RPC CPU cost amortised); {torch_note}"),
+        compare("remote/L50-vs-limit", slow, "2L", "ours", 1.5,
+                "L = 50 ms; baseline = physical limit 2L"),
+        compare("remote/tiny-no-grad", small, "bare", "no_grad", 1.5,
+                "per call, Linear(4,4) via RemoteExpert under no_grad; baseline = bare rpc_sync"),
+        compare("remote/tiny-grad", small, "bare", "grad", 2.0,
+                "per call, forward with grad (no backward); baseline = bare rpc_sync"),
+    ]
+    return [_as_dict(r) for r in rows]
+
+
+def _client_main(port: int, quick: bool, servers: Sequence[str], queue: Any) -> None:
+    from torch.distributed import rpc
+
+    from ..remote.loopback import backend_options
+
+    torch.set_num_threads(1)
+    rpc.init_rpc("bench-client", rank=0, world_size=1 + len(servers),
+                 rpc_backend_options=backend_options(port, rpc_timeout=60.0))
+    try:
+        queue.put(("ok", _measure(quick, servers)))
+    except BaseException as error:  # noqa: BLE001 - report, then leave the world
+        queue.put(("error", f"{type(error).__name__}: {error}"))
+    finally:
+        rpc.shutdown()
+
+
+# What every process of the world imports: loaded once by the forkserver, which
+# forks the server and client processes ready to go (see _context).
+_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.rpc", "torch.distributed.autograd",
+            "moe_autograd.remote.loopback", "moe_autograd.remote.server",
+            "moe_autograd.remote.client", __name__]
+
+
+def _context() -> Any:
+    """The processes' start method: ``forkserver`` where the platform has it.
+
+    Each spawned process would import torch and the package (and a server
+    also torch._dynamo, in its warm-up): seconds of CPU each, most of a quick
+    run on a machine with few cores. The forkserver imports them once, in a
+    process that computes nothing (no intra-op pool is started, so forking
+    it is as safe as DataLoader's fork workers), and forks every process of
+    the world from it; its children also leave through ``os._exit``, without
+    the interpreter's teardown. It lives on, idle, until this process exits.
+    """
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)  # ignored if a forkserver already runs
+    return ctx
+
+
+def _result(queue: Any, client: Any, timeout: float) -> Tuple[str, Any]:
+    """The client's ``(status, value)``; fails early if it died without one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return queue.get(timeout=1.0)
+        except queue_module.Empty:
+            if not client.is_alive() and queue.empty():
+                return "error", f"the client process exited with code {client.exitcode}"
+            if time.monotonic() > deadline:
+                return "error", f"no result within {timeout:g} s"
+
+
+def run(quick: bool = False) -> List[Dict[str, Any]]:
+    """Starts the loopback world, measures, tears it down; returns the rows
+    (dicts with ``name, baseline_ms, ours_ms, ratio, goal, note``)."""
+    from ..remote.loopback import free_port, serve_in_process, stop_processes
+
+    servers = SERVERS
+    port = free_port()
+    ctx = _context()
+    processes = [ctx.Process(target=serve_in_process, name=f"expert-server-{name}", daemon=True,
+                             args=(port, 1 + k, 1 + len(servers), name, f"{__name__}:_setup"))
+                 for k, name in enumerate(servers)]
+    queue = ctx.Queue()
+    processes.append(ctx.Process(target=_client_main, args=(port, quick, servers, queue),
+                                 name="bench-client", daemon=True))
+    started: List[Any] = []
+    try:
+        for process in processes:
+            process.start()
+            started.append(process)
+        status, value = _result(queue, processes[-1], timeout=120.0)
+    finally:
+        stop_processes(started[::-1], timeout=15.0)  # the client first: it ends the world
+    if status != "ok":
+        raise RuntimeError(f"bench.remote failed in the client process: {value}")
+    return value
+
+
+def format_rows(rows: List[Dict[str, Any]]) -> str:
+    def ms(value: Optional[float]) -> str:
+        return "-" if value is None else f"{value:.3f}"
+
+    lines = [f"{'benchmark':28} {'baseline ms':>12} {'ours ms':>9} {'ratio':>7}  goal    note"]
+    for r in rows:
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"
+        lines.append(f"{r['name']:28} {ms(r['baseline_ms']):>12} {ms(r['ours_ms']):>9} "
+                     f"{ratio:>7}  {r['goal'] or '-':7} {r['note']}")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    print(format_rows(run(quick="--quick" in args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
