@@ -25,6 +25,7 @@ Invariants:
   inputs included.
 """
 import threading
+from contextlib import nullcontext
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -144,8 +145,12 @@ class ModuleCall(IsolatedCall):
 
     # -- recomputation ---------------------------------------------------------
     def _recompute_now(self) -> None:
-        assert self.rng is not None
-        with torch.enable_grad(), enable_recomputing(), self.rng.activate():
+        rng = self.rng
+        assert rng is not None
+        # A forward that drew no random number replays without the RNG mode
+        # (which costs a Python hop per op): the same ops draw nothing again.
+        with torch.enable_grad(), enable_recomputing(), \
+                rng.activate() if rng.drew is not False else nullcontext():
             result = self._call()
         self._local_outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
 

@@ -83,10 +83,14 @@ def _mix64(value: int) -> int:
 class CallRng:
     """The random stream of one call: a seed, replayed by :meth:`activate`."""
 
-    __slots__ = ("seed",)
+    __slots__ = ("seed", "drew")
 
     def __init__(self, seed: int) -> None:
         self.seed: int = int(seed) & _MASK64
+        #: Whether a random op drew from this stream during the last
+        #: :meth:`activate` (None before the first). A replay of a run that drew
+        #: nothing needs no routing: the same ops draw nothing again.
+        self.drew: Optional[bool] = None
 
     @classmethod
     def fork(cls, generator: Optional[torch.Generator] = None) -> "CallRng":
@@ -99,8 +103,12 @@ class CallRng:
     @contextmanager
     def activate(self) -> Generator[None, None, None]:
         """Routes this thread's random ops to generators seeded by :attr:`seed`."""
-        with _CallRngMode(self.seed):
-            yield
+        mode = _CallRngMode(self.seed)
+        try:
+            with mode:
+                yield
+        finally:
+            self.drew = mode.drew
 
     def __repr__(self) -> str:
         return f"CallRng(seed={self.seed:#018x})"
@@ -196,6 +204,7 @@ class _CallRngMode(TorchDispatchMode):
         self.seed = seed
         self.generators: Dict[torch.device, torch.Generator] = {}
         self.lock = threading.Lock()
+        self.drew = False
 
     def generator(self, device: torch.device) -> torch.Generator:
         if device.type == "cuda" and device.index is None:
@@ -221,6 +230,7 @@ class _CallRngMode(TorchDispatchMode):
         device = _device_of(values)
         if device.type == "meta":
             return func(*args, **kwargs)  # nothing is drawn
+        self.drew = True
         if kind == _ROUTE:
             values["generator"] = self.generator(device)
             return _call(func, values)

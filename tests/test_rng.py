@@ -287,3 +287,17 @@ def test_cuda_dropout_with_grad_matches_mask():
     y.sum().backward()
     mask = y.detach() != 0
     assert torch.allclose(x.grad, mask.float() / 0.6)
+
+
+def test_activate_records_whether_the_stream_was_drawn_from():
+    rng = CallRng(7)
+    assert rng.drew is None
+    with rng.activate():
+        torch.ones(3).mul(2)
+    assert rng.drew is False
+    with rng.activate():
+        torch.nn.functional.dropout(torch.ones(8), 0.5, training=True)
+    assert rng.drew is True
+    with rng.activate():
+        torch.nn.functional.dropout(torch.ones(8), 0.5, training=False)
+    assert rng.drew is False
