@@ -16,7 +16,6 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-import moe_autograd
 from moe_autograd import is_checkpointing, is_recomputing, parallel_apply, recompute_early
 
 D = 8

@@ -1,14 +1,13 @@
 """MixtureOfExperts under faults: failing, slow and NaN experts, forward and
 backward, checked against the dense float64 reference computed over the
 surviving experts; quorum errors; deadlines; stats."""
-import threading
 import time
 
 import pytest
 import torch
 
 import moe_autograd.moe.layer as layer_module
-from moe_autograd.moe import MixtureOfExperts, NotEnoughExperts
+from moe_autograd.moe import NotEnoughExperts
 from moe_layer_helpers import (  # noqa: F401 - release is a fixture
     Reference, active_experts, assert_close, assert_grads_match, expert_of, force_routing,
     make_moe, release, wait_until, warmed_up,
