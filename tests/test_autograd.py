@@ -20,6 +20,7 @@ from moe_autograd import (
     run_isolated_forward,
 )
 from moe_autograd.executor import DEFAULT_WORKERS
+from thread_helpers import run_threads
 
 DT = torch.float64
 
@@ -764,12 +765,7 @@ def test_map_from_many_user_threads(thread_guard):
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(user, 8)
     assert not errors, errors[0]
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from moe_autograd import executor
 from moe_autograd.executor import WorkerPool, get_pool, run_all
+from thread_helpers import run_threads
 
 WORKER_PREFIX = "moe_autograd-worker-"
 
@@ -270,21 +271,11 @@ def test_nested_groups_never_deadlock(fresh_pool, workers, user_threads):
         return sum(run_all([lambda: tree(depth - 1, width)] * width))
 
     results = []
-    errors = []
 
-    def user():
-        try:
-            results.append(tree(3, 3))
-        except BaseException as error:  # pragma: no cover - reported below
-            errors.append(error)
+    def user(_):
+        results.append(tree(3, 3))
 
-    threads = [threading.Thread(target=user) for _ in range(user_threads)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads), "nested groups deadlocked"
-    assert not errors
+    run_threads(user, user_threads)
     assert results == [27] * user_threads
     assert len(pool.threads) <= workers
 
@@ -307,12 +298,7 @@ def test_each_call_runs_exactly_once_under_contention(fresh_pool):
             keys = [(u, g, i) for i in range(random.Random(g).randint(1, 9))]
             assert run_all([call(k) for k in keys]) == keys
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(user, 4)
     assert counts and set(counts.values()) == {1}
     assert len(pool.threads) <= 4
 

@@ -14,6 +14,7 @@ from torch.autograd import Function
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.executor import DEFAULT_WORKERS
+from thread_helpers import run_threads
 
 DT = torch.float64
 
@@ -456,12 +457,7 @@ def test_many_user_threads(thread_guard):
         except BaseException as error:
             errors.append(error)
 
-    threads = [threading.Thread(target=user, args=(u,)) for u in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(50)
-    assert not any(t.is_alive() for t in threads)
+    run_threads(user, 8)
     assert not errors, errors[0]
 
 
