@@ -1,5 +1,4 @@
 """Fixtures shared by the runtime tests (executor, autograd, parallel, stress)."""
-import gc
 import os
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from typing import Callable, Dict, List, Optional
 import pytest
 
 from moe_autograd import executor
+import helpers
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER_PREFIX = "moe_autograd-worker-"
@@ -47,19 +47,6 @@ def _run_python(code: str, env: Optional[Dict[str, str]] = None, timeout: float 
     return proc.stdout
 
 
-def _wait_dead(refs, timeout: float = 5.0) -> List[bool]:
-    """Collects garbage until every weakref in ``refs`` is dead or ``timeout``
-    passes (a worker may still be dropping its last reference to a finished
-    group); returns which refs are still alive."""
-    deadline = time.monotonic() + timeout
-    alive = [r() is not None for r in refs]
-    while any(alive) and time.monotonic() < deadline:
-        gc.collect()  # slow (~0.1 s with torch loaded): only when needed
-        alive = [r() is not None for r in refs]
-        if any(alive):
-            time.sleep(0.01)
-    return alive
-
 
 @pytest.fixture
 def thread_guard():
@@ -90,5 +77,5 @@ def run_python() -> Callable[..., str]:
 
 @pytest.fixture
 def wait_dead() -> Callable[..., List[bool]]:
-    """``wait_dead(refs, timeout=5.0)``: see :func:`_wait_dead`."""
-    return _wait_dead
+    """``wait_dead(refs, timeout=5.0)``: see :func:`helpers.wait_dead`."""
+    return helpers.wait_dead

@@ -20,7 +20,7 @@ from moe_autograd import (
     run_isolated_forward,
 )
 from moe_autograd.executor import DEFAULT_WORKERS
-from thread_helpers import run_threads
+from helpers import Square, run_threads
 
 DT = torch.float64
 
@@ -90,17 +90,6 @@ class SinSum(Function):
             grads.append(g)
         return tuple(grads)
 
-
-class Square(Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
 
 
 class MulSetup(Function):

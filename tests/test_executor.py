@@ -8,7 +8,7 @@ import pytest
 
 from moe_autograd import executor
 from moe_autograd.executor import WorkerPool, get_pool, run_all
-from thread_helpers import run_threads
+from helpers import run_threads
 
 WORKER_PREFIX = "moe_autograd-worker-"
 

@@ -14,7 +14,7 @@ from torch.autograd import Function
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.executor import DEFAULT_WORKERS
-from thread_helpers import run_threads
+from helpers import BackwardBarrier, Square, run_threads
 
 DT = torch.float64
 
@@ -393,17 +393,6 @@ def test_double_backward_raises_or_is_exact():
 
 # -- concurrency -----------------------------------------------------------------------------
 
-class _BackwardBarrier(Function):
-    @staticmethod
-    def forward(ctx, x, barrier):
-        ctx.barrier = barrier
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.barrier.wait()
-        return g, None
-
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("n", [8, 16])
@@ -416,7 +405,7 @@ def test_forwards_and_backwards_all_run_concurrently(fresh_pool, n):
 
     def expert(x):
         forward_barrier.wait()  # BrokenBarrierError unless all n forwards overlap
-        return _BackwardBarrier.apply(e(x), backward_barrier)
+        return BackwardBarrier.apply(e(x), backward_barrier)
 
     xs = [randn(2, 4, seed=i) for i in range(n)]
     rxs = [clone_leaf(x) for x in xs]
@@ -461,17 +450,6 @@ def test_many_user_threads(thread_guard):
     assert not errors, errors[0]
 
 
-class _Square(Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return x * x
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return 2 * x * g
-
 
 def _nested_model(inner, parallel):
     """Three levels: parallel_apply of experts that call parallel_apply of
@@ -479,8 +457,8 @@ def _nested_model(inner, parallel):
     plain calls (``parallel=False``)."""
     def leaf_call(x):
         if not parallel:
-            return _Square.apply(x) + _Square.apply(x.sin())
-        (a,), (b,) = map_with_parallel_backward(_Square, (x,), (x.sin(),))
+            return Square.apply(x) + Square.apply(x.sin())
+        (a,), (b,) = map_with_parallel_backward(Square, (x,), (x.sin(),))
         return a + b
 
     def middle(x):

@@ -6,9 +6,7 @@ draw meanwhile), and its results and gradients equal a plain run and a plain
 sequential loop. ``recompute_early`` starts the recomputation as soon as
 backward reaches the trigger tensor.
 """
-import gc
 import threading
-import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -17,22 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from moe_autograd import is_checkpointing, is_recomputing, parallel_apply, recompute_early
+from helpers import wait_dead
 
 D = 8
 
-
-def _wait_dead(refs: Sequence[weakref.ref], timeout: float = 5.0) -> List[bool]:
-    """Collects garbage until every ref is dead (a worker may still be dropping
-    its last reference to a finished group); returns which are still alive."""
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [r() is not None for r in refs]
-        if any(alive):  # a full collection is slow: only when refcounting did not do
-            gc.collect()
-            alive = [r() is not None for r in refs]
-        if not any(alive) or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.01)
 
 
 class Expert(nn.Module):
@@ -112,7 +98,7 @@ def test_checkpointed_forward_saves_no_activations() -> None:
     ckpt_bytes, ckpt_outs = run(True)
     assert ckpt_bytes <= input_bytes, f"checkpointed forward saved {ckpt_bytes} bytes"
     ckpt_refs = [e.runs[-1]["activation"] for e in experts]
-    assert _wait_dead(ckpt_refs) == [False] * n, "checkpointed forward kept an activation"
+    assert wait_dead(ckpt_refs) == [False] * n, "checkpointed forward kept an activation"
 
     for a, b in zip(plain_outs, ckpt_outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -566,7 +552,7 @@ def test_local_graph_freed_after_backward(checkpoint: bool) -> None:
     # backward, while the caller still holds the outputs.
     refs = [run["activation"] for e in experts for run in e.runs]
     assert len(refs) == (2 * n if checkpoint else n)
-    assert _wait_dead(refs) == [False] * len(refs)
+    assert wait_dead(refs) == [False] * len(refs)
     assert all(o is not None for o in outs)
 
 
@@ -584,5 +570,5 @@ def test_saved_inputs_freed_after_backward(checkpoint: bool) -> None:
     outs = parallel_apply(experts, xs, checkpoint=checkpoint)
     del xs
     sum(o.sum() for o in outs).backward()
-    assert _wait_dead(refs) == [False] * n
+    assert wait_dead(refs) == [False] * n
     assert w.grad is not None and len(outs) == n

@@ -5,9 +5,7 @@ recomputation), so concurrent calls of the SAME expert module never see each
 other's stashes; gradients equal the plain module's; nothing stays behind in
 a tracker, and stashed tensors die with backward.
 """
-import gc
 import threading
-import time
 import weakref
 from typing import Any, Generator, List, Optional, Sequence
 
@@ -21,22 +19,12 @@ from moe_autograd.skip.layout import SkipLayout
 from moe_autograd.skip.tracker import (
     SkipTracker, SkipTrackerThroughPortals, current_skip_tracker, use_skip_tracker,
 )
+from helpers import wait_dead
 
 D = 6
 MODES = [False, True, "mixed"]
 MODE_IDS = ["plain", "checkpoint", "mixed"]
 
-
-def _wait_dead(refs: Sequence[weakref.ref], timeout: float = 5.0) -> List[bool]:
-    deadline = time.monotonic() + timeout
-    while True:
-        alive = [r() is not None for r in refs]
-        if any(alive):  # a full collection is slow: only when refcounting did not do
-            gc.collect()
-            alive = [r() is not None for r in refs]
-        if not any(alive) or time.monotonic() > deadline:
-            return alive
-        time.sleep(0.01)
 
 
 def _flags(mode: Any, n: int) -> Any:
@@ -234,7 +222,7 @@ def test_stashed_tensors_freed_after_backward(mode: Any) -> None:
     # Every stashed tensor (forward and recomputation) dies with backward,
     # while the caller still holds the outputs; no tracker keeps anything.
     assert len(probe.stashed) == n + sum(checkpointed)
-    assert _wait_dead(probe.stashed) == [False] * len(probe.stashed)
+    assert wait_dead(probe.stashed) == [False] * len(probe.stashed)
     assert all(not t.tensors for t in probe.trackers)
     assert len(outs) == n
 

@@ -19,6 +19,7 @@ from torch.autograd import Function
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.node import BackwardPolicy
 from moe_autograd.parallel import finish_calls, start_calls
+from helpers import BackwardBarrier
 
 DT = torch.float64
 D = 4
@@ -40,17 +41,6 @@ class FailInBackward(Function):
     def backward(ctx, g):
         raise Injected("backward", ctx.index)
 
-
-class MeetInBackward(Function):
-    @staticmethod
-    def forward(ctx, x, barrier):
-        ctx.barrier = barrier
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        ctx.barrier.wait()
-        return g, None
 
 
 def make_flaky_function(ctx_refs, lock):
@@ -268,7 +258,7 @@ def test_concurrent_commits_of_held_parameter_gradients(thread_guard):
     errors = []
 
     def expert_call(k):
-        return lambda x: MeetInBackward.apply(expert(x), meet[k])
+        return lambda x: BackwardBarrier.apply(expert(x), meet[k])
 
     def user(t):
         try:
