@@ -421,12 +421,7 @@ def test_thread_count_stays_bounded(fresh_pool):
         for g in range(30):
             run_all([lambda: time.sleep(0.0005)] * (1 + (u + g) % 7))
 
-    users = [threading.Thread(target=user, args=(u,), name=f"user-{u}") for u in range(4)]
-    for t in users:
-        t.start()
-    for t in users:
-        t.join(50)
-    assert not any(t.is_alive() for t in users)
+    run_threads(user, 4)
     workers = [t for t in threading.enumerate() if t.name.startswith(WORKER_PREFIX)]
     assert set(pool.threads) <= set(workers)
     assert len(pool.threads) <= 4
