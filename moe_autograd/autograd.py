@@ -8,10 +8,16 @@ hangs them off the one parallel node of :mod:`moe_autograd.node`, so that
 their backwards run concurrently too.
 
 Invariants: a Function sees the same ctx API as under autograd (saved
-tensors, ``needs_input_grad``, dirty / non-differentiable outputs, grad
-materialization), and its results are checked as autograd checks them (number
-of gradients, gradients for non-tensor inputs), with the call named.
+tensors, packed through the saved-tensor hooks in force, ``needs_input_grad``,
+dirty / non-differentiable outputs, grad materialization, default arguments
+bound before ``setup_context``), and its results are checked as autograd
+checks them (number of gradients, gradients for non-tensor inputs), with the
+call named. Each call of a map draws randomness from its own
+:class:`~moe_autograd.rng.CallRng`, forked in call order. Under forward-mode
+AD or a ``torch.func`` transform the map runs its calls with ``func.apply`` in
+a loop (see :mod:`moe_autograd.transforms`).
 """
+import inspect
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -20,7 +26,9 @@ from torch.autograd.function import _is_setup_context_defined  # type: ignore[at
 
 from .executor import run_all
 from .node import Grads, IsolatedCall, attach
+from .rng import CallRng
 from .tls import bind, capture
+from .transforms import sequential_mode
 
 __all__ = [
     "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
@@ -36,19 +44,29 @@ class EmulatedAutogradContext:
     def __init__(self, needs_input_grad: Tuple[bool, ...] = ()) -> None:
         self.needs_input_grad = needs_input_grad
         self.materialize_grads = True
-        self.to_save: Tuple[Optional[Tensor], ...] = ()
+        self.to_save: Tuple[Any, ...] = ()
+        self._unpack: Optional[Callable[[Any], Tensor]] = None
         self.non_differentiable: Tuple[Tensor, ...] = ()
         self.dirty_tensors: Tuple[Tensor, ...] = ()
 
     def save_for_backward(self, *tensors: Optional[Tensor]) -> None:
-        self.to_save = tensors
+        # As autograd's ctx: through the saved-tensor hooks in force, if any.
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if hooks is None:
+            self.to_save, self._unpack = tensors, None
+            return
+        pack, self._unpack = hooks
+        self.to_save = tuple(None if t is None else pack(t) for t in tensors)
 
     def save_for_forward(self, *tensors: Optional[Tensor]) -> None:
         self.saved_for_forward = tensors
 
     @property
     def saved_tensors(self) -> Tuple[Optional[Tensor], ...]:
-        return tuple(self.to_save)
+        unpack = self._unpack
+        if unpack is None:
+            return tuple(self.to_save)
+        return tuple(None if p is None else unpack(p) for p in self.to_save)
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
         self.non_differentiable = self.non_differentiable + tensors
@@ -81,9 +99,27 @@ def _has_setup_context(func: FunctionType) -> bool:
         return value
 
 
+_signatures: Dict[FunctionType, inspect.Signature] = {}
+
+
+def _bind_defaults(func: FunctionType, args: Tuple[Any, ...]) -> Tuple[Any, ...]:
+    """``args`` completed with ``forward``'s defaults, as ``Function.apply``
+    does for a Function with ``setup_context``."""
+    signature = _signatures.get(func)
+    if signature is None:
+        signature = _signatures[func] = inspect.signature(func.forward)
+    if len(args) >= len(signature.parameters):
+        return args
+    bound = signature.bind(*args)
+    bound.apply_defaults()
+    return tuple(bound.args)
+
+
 def run_isolated_forward(func: FunctionType, *args: Any) -> Tuple[EmulatedAutogradContext, Any]:
     """Runs ``func.forward`` under no_grad on detached copies of the tensor
     arguments (``requires_grad`` preserved); returns ``(ctx, outputs)``."""
+    if _has_setup_context(func):
+        args = _bind_defaults(func, args)
     ctx = EmulatedAutogradContext(
         tuple([isinstance(a, Tensor) and a.requires_grad for a in args])
     )
@@ -178,6 +214,11 @@ class _FunctionCall(IsolatedCall):
         self.ctx = None
 
 
+def _as_tuple(value: Any) -> Tuple[Any, ...]:
+    return value if isinstance(value, tuple) else (value,)
+
+
+@torch._disable_dynamo  # type: ignore[attr-defined]
 def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
                                ) -> Tuple[Tuple[Any, ...], ...]:
     """Calls ``func.apply(*args)`` once per element of ``args_per_call``, with
@@ -189,15 +230,25 @@ def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
     if not (isinstance(func, type) and issubclass(func, torch.autograd.Function)):
         raise TypeError(f"func must be a torch.autograd.Function subclass, got {func!r}")
     n = len(args_per_call)
-    state = capture()
-
     args = [tuple(a) for a in args_per_call]
+    if sequential_mode(args) is not None:
+        return tuple(_as_tuple(func.apply(*a)) for a in args)
+    if _has_setup_context(func):
+        args = [_bind_defaults(func, a) for a in args]
+    state = capture()
+    saves = [None if state is None else state.saves() for _ in range(n)]
+    rngs = [CallRng.fork() for _ in range(n)]  # in call order, on this thread
 
     def task(i: int) -> Callable[[], Tuple[EmulatedAutogradContext, Any]]:
-        return bind(state, lambda: run_isolated_forward(func, *args[i]))
+        def run() -> Tuple[EmulatedAutogradContext, Any]:
+            with rngs[i].activate():
+                return run_isolated_forward(func, *args[i])
+        return bind(state, run, saves[i])
 
     ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
     calls = [_FunctionCall(func, args[i], i, n, ctx, outputs) for i, (ctx, outputs) in enumerate(ran)]
+    for call, s in zip(calls, saves):
+        call.saves = s
     attached = attach(calls, name=func.__name__)
     results = []
     for call, outs in zip(calls, attached):

@@ -2,25 +2,29 @@
 
 Lifecycle::
 
-    plain:        forward (grad on, graph kept) ........ backward(grads) -> release
-    checkpointed: forward (no_grad, inputs kept) -> recompute (grad on, same RNG)
-                                                     -> backward(grads) -> release
+    plain:        forward (grad on, graph kept) -> prepare ........ backward(grads) -> release
+    checkpointed: forward (no_grad, inputs kept) -> prepare -> recompute (grad on, same RNG,
+                                                  forward's autocast) -> backward(grads) -> release
 
 The call's tensor inputs are detached leaves (``requires_grad`` kept), so its
-graph ends at them and never reaches into the caller's graph; backward reads
-their ``.grad`` as the input gradients.
+graph ends at them and never reaches into the caller's graph. Its record's
+``inputs`` (the parallel node's inputs for this call) are the caller's tensors
+that require grad followed by its *parameters*: the other leaves its graph
+reaches (for a checkpointed call, the expert module's parameters that require
+grad). Backward computes one gradient per entry with ``torch.autograd.grad``
+and returns them; the engine accumulates them, so no ``.grad`` is touched here.
 
 Invariants:
 
-* Parameter gradients reach ``.grad`` through PyTorch's own ``AccumulateGrad``
-  (hooks fire, concurrent accumulation is locked by PyTorch): at once, or, for
-  a tolerant caller, only at :meth:`ModuleCall.commit` once the call is accepted.
-* Under ``torch.autograd.grad`` / ``backward(inputs=...)`` outside, only input
-  gradients are computed; parameters' ``.grad`` are left alone, as plain
-  autograd leaves them.
-* A checkpointed call recomputes with the same private RNG streams
-  (:class:`moe_autograd.rng.CallRng`) and the caller's autocast state, so it
-  reproduces its forward exactly, whatever other threads draw meanwhile.
+* Every call draws its random numbers from its own :class:`~moe_autograd.rng.
+  CallRng`, forked on the caller's thread in call order: results depend on the
+  seed, never on thread interleaving, and a checkpointed call replays its
+  forward's randomness exactly.
+* A checkpointed call recomputes under the autocast / inference state of its
+  forward (not of the backward's thread), as ``torch.utils.checkpoint`` does.
+* A checkpointed call whose recomputed graph reaches a tensor that requires
+  grad but is neither an input nor a declared parameter raises, naming the
+  call: its gradient would otherwise be lost silently.
 * :meth:`ModuleCall.release` drops every tensor the call holds, the caller's
   inputs included.
 """
@@ -34,11 +38,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
-from .node import Grads, IsolatedCall, accumulates_into_leaves
+from .node import Grads, IsolatedCall
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
-from .tls import CallerState, bind, capture
+from .tls import CallerState, bind
 
 __all__ = ["ModuleCall", "Expert"]
 
@@ -55,11 +59,16 @@ def _device_of(module: Expert, leaves: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
-    """Every leaf tensor that requires grad under ``outputs``' graphs."""
+def _graph_leaves(outputs: Sequence[Tensor], known: Set[int]) -> List[Tensor]:
+    """Every leaf tensor that requires grad under ``outputs``' graphs, other
+    than those whose ``id`` is in ``known``, in a stable order."""
     seen: Set[Any] = set()
     leaves: List[Tensor] = []
-    stack: List[Any] = [o.grad_fn for o in outputs if o.grad_fn is not None]
+    for o in outputs:  # an output may be a leaf itself (an expert returning a weight)
+        if o.grad_fn is None and o.requires_grad and id(o) not in known:
+            known.add(id(o))
+            leaves.append(o)
+    stack: List[Any] = [o.grad_fn for o in reversed(outputs) if o.grad_fn is not None]
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
@@ -67,21 +76,26 @@ def _graph_leaves(outputs: Sequence[Tensor]) -> List[Tensor]:
         seen.add(fn)
         variable = getattr(fn, "variable", None)
         if variable is not None:
-            leaves.append(variable)
-        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+            if id(variable) not in known:
+                known.add(id(variable))
+                leaves.append(variable)
+            continue
+        stack.extend(next_fn for next_fn, _ in reversed(fn.next_functions))
     return leaves
 
 
 class ModuleCall(IsolatedCall):
     """One call of an expert (module or callable) on an isolated graph."""
 
+    materialize_grads = False  # unused outputs simply get no gradient
+
     def __init__(self, module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any], *,
-                 checkpoint: bool = False, hold_param_grads: bool = False,
-                 check_finite_grads: bool = False, name: str = "call", index: int = 0,
-                 validate: Optional[Callable[["ModuleCall"], None]] = None) -> None:
+                 checkpoint: bool = False, check_finite_grads: bool = False,
+                 name: str = "call", index: int = 0,
+                 validate: Optional[Callable[["ModuleCall"], None]] = None,
+                 state: Optional[CallerState] = None) -> None:
         self.module, self.name, self.index, self.validate = module, name, index, validate
         self.checkpoint = checkpoint and torch.is_grad_enabled()
-        self.hold_param_grads = hold_param_grads
         self.check_finite_grads = check_finite_grads
         leaves, self._in_spec = tree_flatten((args, kwargs))
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
@@ -90,12 +104,15 @@ class ModuleCall(IsolatedCall):
             for v in leaves
         ]
         self._grad_leaves = [v for v in self._leaves if isinstance(v, Tensor) and v.requires_grad]
+        self.params: List[Tensor] = []
         self.device = _device_of(module, leaves)
-        self.rng = CallRng.fork() if self.checkpoint else None
+        self.rng = CallRng.fork()
+        #: The caller's thread state at the call, also for its recomputation.
+        self.state = state
+        self.saves = None if (self.checkpoint or state is None) else state.saves()
         self._lock = threading.Lock()
         self._recompute: Optional[TaskGroup[None]] = None
         self._local_outputs: Optional[List[Tensor]] = None
-        self._held: List[Tuple[Tensor, Tensor]] = []
         self.outputs: List[Tensor] = []
         self.result: Any = None
 
@@ -110,11 +127,11 @@ class ModuleCall(IsolatedCall):
     def forward(self) -> "ModuleCall":
         """Runs the call on this thread (a worker); fills ``outputs``."""
         if self.checkpoint:
-            assert self.rng is not None
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
         else:
-            result = self._call()
+            with self.rng.activate():
+                result = self._call()
         out_leaves, self._out_spec = tree_flatten(result)
         self._out_leaves = out_leaves
         self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
@@ -128,13 +145,36 @@ class ModuleCall(IsolatedCall):
             self.validate(self)
         return self
 
+    def _declared_params(self) -> List[Tensor]:
+        if not isinstance(self.module, nn.Module):
+            return []
+        known = set(map(id, self._grad_leaves))
+        params = []
+        for p in self.module.parameters():
+            if p.requires_grad and id(p) not in known:
+                known.add(id(p))
+                params.append(p)
+        return params
+
+    def prepare(self) -> None:
+        """On the caller, after the forward: appends the call's parameters to
+        its ``inputs`` (the leaves its graph reaches, or for a checkpointed
+        call the module's parameters)."""
+        if not torch.is_grad_enabled():
+            return
+        if self.checkpoint:
+            self.params = self._declared_params()
+        else:
+            differentiable = [o for o in self.outputs if o.requires_grad]
+            self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)))
+        self.inputs = self.inputs + self.params
+
     @property
     def needs_grad(self) -> bool:
         if not torch.is_grad_enabled():
             return False
         if self.checkpoint:
-            params = self.module.parameters() if isinstance(self.module, nn.Module) else ()
-            return bool(self.inputs) or any(p.requires_grad for p in params)
+            return bool(self.inputs) or bool(self._declared_params())
         return any(o.requires_grad for o in self.outputs)
 
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
@@ -146,23 +186,32 @@ class ModuleCall(IsolatedCall):
     # -- recomputation ---------------------------------------------------------
     def _recompute_now(self) -> None:
         rng = self.rng
-        assert rng is not None
-        # A forward that drew no random number replays without the RNG mode
-        # (which costs a Python hop per op): the same ops draw nothing again.
+        # A forward that drew no random number replays without the RNG routing:
+        # the same ops draw nothing again.
         with torch.enable_grad(), enable_recomputing(), \
                 rng.activate() if rng.drew is not False else nullcontext():
             result = self._call()
-        self._local_outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+        outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+        known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
+        stray = _graph_leaves([o for o in outputs if o.requires_grad], known)
+        if stray:
+            raise RuntimeError(
+                f"{self.name}: the checkpointed call differentiates into {len(stray)} tensor(s) "
+                "that are neither its inputs nor parameters of the expert module (e.g. a "
+                "closure over a weight); pass them as inputs, or make the expert an "
+                "nn.Module that owns them")
+        self._local_outputs = outputs
 
-    def start_recompute(self, state: Optional[CallerState] = None) -> None:
-        """Queues the recomputation on a worker unless it is queued already;
-        ``state`` is the caller's (autocast...) to recompute under."""
+    def start_recompute(self) -> None:
+        """Queues the recomputation on a worker unless it is queued already."""
         if not self.checkpoint:
             return
         with self._lock:
             if self._recompute is not None or self._leaves is None:
                 return
-            self._recompute = get_pool().submit([bind(state or capture(), self._recompute_now)])
+            # The forward's thread state (autocast...), without saved-tensor
+            # hooks: the recomputed graph is used at once.
+            self._recompute = get_pool().submit([bind(self.state, self._recompute_now)])
 
     def _wait_recompute(self) -> None:
         self.start_recompute()
@@ -184,50 +233,22 @@ class ModuleCall(IsolatedCall):
                  if g is not None and o.requires_grad]
         if not pairs:
             return [None] * len(self.inputs)
-        outs, grads = [p[0] for p in pairs], [p[1] for p in pairs]
-        if not accumulates_into_leaves():
-            # torch.autograd.grad / backward(inputs=...) outside: the inputs'
-            # gradients only, as plain autograd; parameters' .grad untouched.
-            return self._backward_held(outs, grads, params=False)
-        if self.hold_param_grads:
-            return self._backward_held(outs, grads)
-        torch.autograd.backward(outs, grads, retain_graph=True)
-        input_grads = []
-        for leaf in self._grad_leaves:
-            input_grads.append(leaf.grad)
-            leaf.grad = None  # a retained graph's next backward starts afresh
-        return input_grads
-
-    def _backward_held(self, outs: List[Tensor], grads: List[Tensor], params: bool = True) -> Grads:
-        """Input gradients; parameter gradients (``params``) held for commit."""
-        inputs = set(map(id, self._grad_leaves))
-        held = [leaf for leaf in _graph_leaves(outs) if id(leaf) not in inputs] if params else []
-        targets = self._grad_leaves + held
-        if not targets:
-            self._held = []
-            return []
-        computed = torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True)
+        targets = self._grad_leaves + self.params
+        computed = torch.autograd.grad([p[0] for p in pairs], targets, [p[1] for p in pairs],
+                                       retain_graph=True, allow_unused=True)
         if self.check_finite_grads:
             for g in computed:
                 if g is not None and not bool(torch.isfinite(g).all()):
                     raise FloatingPointError(f"{self.name}: non-finite gradient")
-        n = len(self._grad_leaves)
-        self._held = [(p, g) for p, g in zip(held, computed[n:]) if g is not None]
-        return list(computed[:n])
-
-    def commit(self) -> None:
-        held, self._held = self._held, []
-        if held:
-            # Through PyTorch's own AccumulateGrad: its lock orders concurrent
-            # commits into shared parameters, and the parameters' hooks fire.
-            torch.autograd.backward([p for p, _ in held], [g for _, g in held])
+        return list(computed)
 
     def release(self) -> None:
         # A checkpointed call outlives release (its outputs' tag and the
-        # Recompute node reference it): drop the caller's input tensors too.
+        # Recompute node reference it): drop the caller's tensors too.
         self.inputs = []
+        self.params = []
         self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None
-        self._held = []
         self._recompute = None
+        self.state = None

@@ -6,18 +6,32 @@ hides every call's own graph behind ONE node, ``_ParallelNode``: its forward
 returns the outputs that the calls already computed on workers, and its
 backward hands each call's output gradients to a worker and joins them::
 
-    inputs ──┬─ call 0 (own graph, run on a worker) ─┐
-             ├─ call 1 ─────────────────────────────┤──> _ParallelNode ──> outputs
-             └─ call n-1 ───────────────────────────┘
+    inputs, parameters ──┬─ call 0 (own graph, run on a worker) ─┐
+                         ├─ call 1 ─────────────────────────────┤──> _ParallelNode ──> outputs
+                         └─ call n-1 ───────────────────────────┘
     backward: _ParallelNode.backward ─ fan out ─> call i.backward(grads_i) ─ join
+              ──> the engine accumulates every input's and parameter's gradient
 
 A *call record* (:class:`IsolatedCall`) is what the node needs of a call: its
-tensor inputs and outputs, and a ``backward`` that runs on a worker. Autograd
-Functions (:func:`map_with_parallel_backward`) and modules
+tensor inputs (the caller's tensors AND the leaves its graph reaches, i.e. the
+expert's parameters), its outputs, and a ``backward`` that runs on a worker.
+Autograd Functions (:func:`map_with_parallel_backward`) and modules
 (:func:`moe_autograd.parallel.parallel_apply`) supply their own records.
 
 Invariants:
 
+* Every tensor a call differentiates into is an input of the node, so the
+  engine itself accumulates parameter gradients, exactly as for any other
+  leaf: ``torch.autograd.grad`` w.r.t. parameters and ``backward(inputs=...)``
+  work, hooks fire once per backward with the summed gradient of a shared
+  parameter, and DDP's reducer sees its parameters become ready. A call whose
+  backward fails under a tolerant :class:`BackwardPolicy` simply returns None.
+* A call none of whose outputs received a gradient does not run its backward;
+  its inputs get None, as under sequential autograd. Zeros are materialized
+  for the other outputs of a partly used call only where the call asks for it
+  (:attr:`IsolatedCall.materialize_grads`, as ``ctx.set_materialize_grads``).
+* Outputs of a call that needs no gradient are non-differentiable
+  (``requires_grad=False``, no ``grad_fn``), as the call alone would give.
 * The node's outputs are new tensor objects (detached views), so no call's own
   graph is ever rewired by the outer engine.
 * Every call is joined before the node's backward returns or raises: a failing
@@ -34,17 +48,19 @@ from torch import Tensor
 
 from .executor import get_pool, run_all
 from .phony import get_phony
+from .saved import CallSaves
 from .tls import bind, capture
 
-__all__ = ["IsolatedCall", "BackwardPolicy", "attach", "accumulates_into_leaves", "Grads"]
+__all__ = ["IsolatedCall", "BackwardPolicy", "attach", "Grads"]
 
 Grads = List[Optional[Tensor]]
 
 
 class IsolatedCall:
-    """What :func:`attach` needs of one call. Subclasses fill ``inputs`` (the
-    caller's tensors that may need gradients), ``outputs`` (tensors computed on
-    a worker) and implement :meth:`backward`."""
+    """What :func:`attach` needs of one call. Subclasses fill ``inputs`` (every
+    tensor the call's gradients flow into: the caller's tensors that may need
+    gradients, then the leaves such as parameters that its graph reaches),
+    ``outputs`` (tensors computed on a worker) and implement :meth:`backward`."""
 
     inputs: List[Tensor]
     outputs: List[Tensor]
@@ -54,6 +70,9 @@ class IsolatedCall:
     dirty: Sequence[Tuple[int, int]] = ()
     #: When False, ``None`` output gradients are passed on as None.
     materialize_grads = True
+    #: What the call saved for backward through the caller's saved-tensor
+    #: hooks (see :mod:`moe_autograd.saved`); None without such hooks.
+    saves: Optional[CallSaves] = None
 
     @property
     def needs_grad(self) -> bool:
@@ -62,17 +81,14 @@ class IsolatedCall:
 
     def backward(self, grad_outputs: Grads) -> Any:
         """Runs on a worker; returns what :meth:`input_grads` turns into one
-        gradient per entry of ``inputs``."""
+        gradient per entry of ``inputs``. At least one entry of
+        ``grad_outputs`` is a tensor."""
         raise NotImplementedError
 
     def input_grads(self, raw: Any) -> Grads:
         """Runs on the caller after the join (off the concurrent phase, where
         every bit of Python holds the GIL against the other calls)."""
         return raw  # type: ignore[no-any-return]
-
-    def commit(self) -> None:
-        """Makes side effects of an accepted backward visible (e.g. parameter
-        gradients held back under a tolerant :class:`BackwardPolicy`)."""
 
     def release(self) -> None:
         """Frees what the call kept for backward."""
@@ -83,8 +99,8 @@ class BackwardPolicy:
 
     The default raises the first failure, after joining every call. With
     ``tolerate_failures`` a call that raises or misses ``timeout`` is treated
-    as a constant (no gradient into its inputs or, if it holds them back until
-    :meth:`IsolatedCall.commit`, its parameters); ``check`` then sees each
+    as a constant (None gradients for its inputs and parameters: a late call
+    that finishes afterwards changes nothing); ``check`` then sees each
     call's outcome (None for success, else its error; a :class:`TimeoutError`
     for a call past the deadline) and may raise.
     """
@@ -109,6 +125,8 @@ class _Plan:
         self.policy = policy
         self.name = name
         self.lock = threading.Lock()
+        # Taken in grad mode (the node's forward runs without it).
+        self.constant = [not call.needs_grad for call in calls]
         # Output metadata, to materialize zero gradients without keeping outputs.
         self.output_meta = [
             [(o.shape, o.dtype, o.device) for o in call.outputs] for call in calls
@@ -119,6 +137,8 @@ class _Plan:
             calls, self.calls = self.calls, None
         for call in calls or ():
             call.release()
+            if call.saves is not None:
+                call.saves.release()
 
 
 def _identity(x: Any) -> Any:
@@ -158,8 +178,8 @@ class _ParallelNode(torch.autograd.Function):
         dirty: List[Tensor] = []
         offset = 0
         assert plan.calls is not None
-        for call in plan.calls:
-            if not (call.dirty or call.non_differentiable):
+        for call, constant in zip(plan.calls, plan.constant):
+            if not (constant or call.dirty or call.non_differentiable):
                 outputs.extend([out.detach() for out in call.outputs])
                 offset += len(call.inputs)
                 continue
@@ -171,7 +191,7 @@ class _ParallelNode(torch.autograd.Function):
                     dirty.append(result)
                 else:
                     result = out.detach()
-                if id(out) in nondiff:
+                if constant or id(out) in nondiff:
                     non_differentiable.append(result)
                 outputs.append(result)
             offset += len(call.inputs)
@@ -206,11 +226,14 @@ class _ParallelNode(torch.autograd.Function):
     @staticmethod
     def _backward(plan: _Plan, calls: Sequence[IsolatedCall],
                   grad_outputs: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
-        per_call: List[Grads] = []
+        per_call: List[Optional[Grads]] = []
         offset = 0
         for call, meta in zip(calls, plan.output_meta):
             grads = list(grad_outputs[offset:offset + len(meta)])
             offset += len(meta)
+            if all(g is None for g in grads):
+                per_call.append(None)  # unused: its backward does not run
+                continue
             if call.materialize_grads:
                 for k, (shape, dtype, device) in enumerate(meta):
                     if grads[k] is None and (dtype.is_floating_point or dtype.is_complex):
@@ -236,81 +259,84 @@ def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads
     return grads
 
 
-_backward_mode = threading.local()
+def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall],
+                   per_call: List[Optional[Grads]]) -> List[Grads]:
+    """Runs the backward of every call that has output gradients; the others
+    get None for every input."""
+    active = [i for i, grads in enumerate(per_call) if grads is not None]
+    results: List[Grads] = [[None] * len(call.inputs) for call in calls]
+    if not active:
+        return results
+    # The user's saved-tensor hooks unpack here, on the engine's thread inside
+    # the outer graph task (a checkpoint frame recomputes once), never on workers.
+    saves = [calls[i].saves for i in active if calls[i].saves is not None]
+    for s in saves:
+        s.materialize()  # type: ignore[union-attr]
+    try:
+        _run_active(plan, calls, per_call, active, results)
+    finally:
+        for s in saves:
+            s.drop()  # type: ignore[union-attr]
+    return results
 
 
-def accumulates_into_leaves() -> bool:
-    """Inside :meth:`IsolatedCall.backward`: True when the outer backward is a
-    plain ``.backward()``, which accumulates into every leaf, parameters
-    included; False under ``torch.autograd.grad`` or ``backward(inputs=...)``,
-    which compute only what was asked and leave parameters' ``.grad`` alone."""
-    return getattr(_backward_mode, "accumulate", True)
-
-
-def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Grads]) -> List[Grads]:
+def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optional[Grads]],
+                active: List[int], results: List[Grads]) -> None:
     state = capture()
-    # False when the engine computes only some inputs' gradients (the check
-    # the reentrant torch.utils.checkpoint makes): calls must not touch other leaves.
-    accumulate = torch.autograd._is_checkpoint_valid()
-
     policy = plan.policy
     strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
 
     def task(i: int) -> Callable[[], Any]:
         call = calls[i]
+        grads = per_call[i]
 
         def run() -> Any:
-            previous = accumulates_into_leaves()
-            _backward_mode.accumulate = accumulate
-            try:
-                raw = call.backward(per_call[i])
-            finally:
-                _backward_mode.accumulate = previous
+            raw = call.backward(grads)  # type: ignore[arg-type]
             # A tolerant caller must see a malformed result as this call's failure.
             return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
         return bind(state, run)
 
-    fns = [task(i) for i in range(len(calls))]
+    fns = [task(i) for i in active]
     if strict:
         raws = run_all(fns, f"{plan.name} backward: call")
-        grads = []
-        for i, (call, raw) in enumerate(zip(calls, raws)):
+        for i, raw in zip(active, raws):
             try:
-                grads.append(_check_grads(plan, i, call, call.input_grads(raw)))
+                results[i] = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
             except BaseException as error:
                 error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
                 raise
-        for call in calls:
-            call.commit()
-        return grads
+        return
     assert policy is not None
     group = get_pool().submit(fns)
     # Under a deadline the caller never runs a call itself: it could not leave
     # a straggler before the deadline.
     if not group.wait(policy.timeout, help=policy.timeout is None):
         group.cancel()
-    ok = [group.succeeded(i) for i in range(len(calls))]
+    ok = [True] * len(calls)  # a call that did not run (unused) is no failure
+    errors: List[Optional[BaseException]] = [None] * len(calls)
+    for j, i in enumerate(active):
+        ok[i] = group.succeeded(j)
+        errors[i] = group.errors[j]
     if not policy.tolerate_failures and not all(ok):
-        if any(e is not None for e in group.errors):
-            group.raise_first_error(f"{plan.name} backward: call")
+        if any(e is not None for e in errors):
+            first = next(i for i, e in enumerate(errors) if e is not None)
+            error = errors[first]
+            assert error is not None
+            error.add_note(f"{plan.name} backward: call {first} of {len(calls)}")
+            raise error
         late = ok.index(False)
         raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
                            f"missed the {policy.timeout}s deadline")
     if policy.check is not None:
         policy.check([
-            None if ok[i] else group.errors[i] or TimeoutError(
+            None if ok[i] else errors[i] or TimeoutError(
                 f"{plan.name} backward: call {i} of {len(calls)} missed the "
                 f"{policy.timeout}s deadline")
             for i in range(len(calls))
         ])
-    results: List[Grads] = []
-    for i, call in enumerate(calls):
+    for j, i in enumerate(active):
         if ok[i]:
-            call.commit()
-            results.append(group.results[i])  # type: ignore[arg-type]
-        else:
-            results.append([None] * len(call.inputs))
-    return results
+            results[i] = group.results[j]  # type: ignore[assignment]
 
 
 def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
@@ -320,13 +346,18 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     outputs as tensors of the caller's graph.
 
     Without grad mode, or when no call needs a gradient, the outputs are
-    returned as they are. A phony input that requires grad keeps the node in
-    the graph when only parameters (not inputs) need gradients.
+    returned as they are. Calls' saved tensors are packed by the caller's
+    hooks here, in call order. A phony input that requires grad keeps the node
+    in the graph (PyTorch's own ``Function.apply`` drops a node none of whose
+    inputs requires grad).
     """
     if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
         for call in calls:
             call.release()
         return [list(call.outputs) for call in calls]
+    for call in calls:
+        if call.saves is not None:
+            call.saves.replay()
     plan = _Plan(calls, policy, name)
     phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
     flat_inputs = [t for call in calls for t in call.inputs]

@@ -27,6 +27,7 @@ from .executor import TaskGroup, get_pool
 from .module_call import Expert, ModuleCall
 from .node import BackwardPolicy, attach
 from .tls import bind, capture
+from .transforms import check_parallel_mode, sequential_mode
 
 __all__ = ["parallel_apply", "recompute_early", "start_calls", "finish_calls", "ModuleCall"]
 
@@ -41,9 +42,8 @@ class _StartRecompute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[None, None]:  # type: ignore[override]
-        state = capture()
         for call in ctx.calls:
-            call.start_recompute(state)
+            call.start_recompute()
         return None, None
 
 
@@ -57,6 +57,7 @@ def _hook_recompute(tensor: Tensor, calls: List[ModuleCall]) -> Tensor:
 _CALLS_ATTR = "_moe_autograd_calls"
 
 
+@torch._disable_dynamo  # type: ignore[attr-defined]
 def recompute_early(trigger: Tensor, outputs: Any) -> Tensor:
     """Starts recomputing the checkpointed calls that produced ``outputs`` as
     soon as backward reaches ``trigger`` (e.g. the output of the layer after
@@ -84,6 +85,14 @@ def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[boo
     return [bool(v) for v in values]
 
 
+def _sequential(modules: Sequence[Expert], inputs: Sequence[Any],
+                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]], n: int) -> List[Any]:
+    if len(inputs) != n or (kwargs is not None and len(kwargs) != n):
+        raise ValueError(f"parallel_apply: {n} modules but {len(inputs)} inputs")
+    return [modules[i](*_as_args(inputs[i]), **((kwargs[i] if kwargs else None) or {}))
+            for i in range(n)]
+
+
 def _import_lazy_modules(checkpoint: bool) -> None:
     """PyTorch imports sympy (first backward with explicit gradients) and
     dynamo (first dispatch mode: the RNG of a checkpointed call) on first use,
@@ -97,7 +106,7 @@ def _import_lazy_modules(checkpoint: bool) -> None:
 def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
                 checkpoint: Union[bool, Sequence[bool]] = False,
-                hold_param_grads: bool = False, check_finite_grads: bool = False,
+                check_finite_grads: bool = False,
                 name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
                 validate: Optional[Callable[[ModuleCall], None]] = None,
                 ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
@@ -112,23 +121,25 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
         raise ValueError(f"{name}: {n} modules but {len(inputs)} inputs")
     if kwargs is not None and len(kwargs) != n:
         raise ValueError(f"{name}: {n} modules but {len(kwargs)} kwargs")
+    check_parallel_mode(name, [inputs, kwargs, modules])
     flags = _per_call(checkpoint, n, "checkpoint")
+    state = capture()
+    # Calls are created (and their random streams forked) here, in call order.
     calls = [
         ModuleCall(modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
-                   checkpoint=flags[i], hold_param_grads=hold_param_grads,
-                   check_finite_grads=check_finite_grads, validate=validate, index=i,
+                   checkpoint=flags[i], check_finite_grads=check_finite_grads,
+                   validate=validate, index=i, state=state,
                    name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
     _import_lazy_modules(any(call.checkpoint for call in calls))
-    state = capture()
     grad_enabled = torch.is_grad_enabled()
 
     def task(call: ModuleCall) -> Callable[[], ModuleCall]:
         def run() -> ModuleCall:
             with torch.set_grad_enabled(grad_enabled):
                 return call.forward()
-        return bind(state, run)
+        return bind(state, run, call.saves)
 
     return calls, get_pool().submit([task(c) for c in calls])
 
@@ -142,6 +153,8 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
         for call in calls:
             call.release()
         return [call.rebuild(call.outputs) for call in calls]
+    for call in calls:
+        call.prepare()
     attached = attach(calls, policy, name=name, phony_device=calls[0].device)
     results = []
     for call, outs in zip(calls, attached):
@@ -156,6 +169,7 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     return results
 
 
+@torch._disable_dynamo  # type: ignore[attr-defined]
 def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
                    kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
                    checkpoint: Union[bool, Sequence[bool]] = False) -> List[Any]:
@@ -167,6 +181,9 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
     ``checkpoint`` (a bool, or one per call), a call keeps only its inputs and
     recomputes its forward on a worker in backward.
     """
+    mode = sequential_mode([(inputs, kwargs), modules])
+    if mode is not None:
+        return _sequential(modules, inputs, kwargs, len(modules))
     calls, group = start_calls(modules, inputs, kwargs, checkpoint=checkpoint)
     group.wait()
     group.raise_first_error("parallel_apply: call")

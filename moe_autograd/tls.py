@@ -3,16 +3,26 @@
 PyTorch keeps autocast, inference mode and saved-tensor hooks per thread. A
 call that runs on a worker must see the same state as if it ran on the caller,
 otherwise an expert would silently compute in another precision (autocast) or
-escape the user's saved-tensor hooks (offloading, memory accounting). The
-autograd engine does the same for its own threads.
+escape the user's saved-tensor hooks (offloading, memory accounting,
+non-reentrant checkpoint frames). The autograd engine does the same for its
+own threads.
 
-Invariant: :meth:`CallerState.applied` restores the worker's previous state on
-exit, so a worker that serves several callers never mixes their states.
+Invariants:
+
+* :meth:`CallerState.applied` restores the worker's previous state on exit,
+  so a worker that serves several callers never mixes their states.
+* The user's saved-tensor hooks never run on a worker: a call's forward packs
+  into its own :class:`~moe_autograd.saved.CallSaves`, which the caller
+  replays through the user's hooks in call order (see :mod:`.saved`); other
+  tasks (backward, recomputation) run without them, as their graphs are used
+  at once.
 """
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Generator, List, Optional, Tuple, TypeVar
 
 import torch
+
+from .saved import CallSaves
 
 __all__ = ["CallerState", "capture", "bind"]
 
@@ -47,9 +57,15 @@ class CallerState:
         return not (self.inference_mode or self.saved_tensor_hooks is not None
                     or any(enabled for _, enabled, _ in self.autocast))
 
+    def saves(self) -> Optional[CallSaves]:
+        """A fresh record for one call's saved tensors, if the caller has hooks."""
+        hooks = self.saved_tensor_hooks
+        return None if hooks is None else CallSaves(hooks)
+
     @contextmanager
-    def applied(self) -> Generator[None, None, None]:
-        """Runs the body with this state on the current thread."""
+    def applied(self, saves: Optional[CallSaves] = None) -> Generator[None, None, None]:
+        """Runs the body with this state on the current thread; the body's
+        saved tensors go to ``saves`` (see :mod:`.saved`)."""
         with ExitStack() as stack:
             if self.inference_mode and not torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode())
@@ -61,22 +77,31 @@ class CallerState:
                         torch.autocast(device, dtype=dtype, enabled=enabled,
                                        cache_enabled=self.cache_enabled)
                     )
-            hooks = self.saved_tensor_hooks
-            if hooks is not None and hooks != torch._C._autograd._top_saved_tensors_default_hooks(False):
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(*hooks))
+            if saves is not None:
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack))
+            elif self.saved_tensor_hooks is not None:
+                # The caller's own thread may run this task (it helps): keep
+                # the user's hooks out there too.
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
             yield
 
+
+
+def _identity(x: Any) -> Any:
+    return x
 
 
 T = TypeVar("T")
 
 
-def bind(state: Optional[CallerState], fn: Callable[[], T]) -> Callable[[], T]:
-    """``fn`` run under ``state`` (``fn`` itself for the default state)."""
+def bind(state: Optional[CallerState], fn: Callable[[], T],
+         saves: Optional[CallSaves] = None) -> Callable[[], T]:
+    """``fn`` run under ``state`` (``fn`` itself for the default state), its
+    saved tensors recorded in ``saves``."""
     if state is None:
         return fn
 
     def run() -> T:
-        with state.applied():
+        with state.applied(saves):
             return fn()
     return run

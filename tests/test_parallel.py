@@ -655,7 +655,10 @@ def test_autocast_reaches_workers_and_is_restored():
 
 
 @pytest.mark.timeout(60)
-def test_saved_tensors_hooks_see_the_workers_saved_tensors():
+def test_saved_tensors_hooks_see_the_workers_saved_tensors_in_call_order():
+    """The user's hooks see every tensor the calls save, packed on the
+    caller's thread in call order (as a loop packs them), never on a worker,
+    whatever order the workers ran in."""
     e = Expert(seed=0)
     x = randn(2, 4, seed=1)
 
@@ -673,7 +676,7 @@ def test_saved_tensors_hooks_see_the_workers_saved_tensors():
     with torch.autograd.graph.saved_tensors_hooks(*recorder(seq_log)):
         ref = e(x)
     ref.sum().backward()
-    seq_packs = sorted(s for kind, s, _ in seq_log if kind == "pack")
+    seq_packs = [s for kind, s, _ in seq_log if kind == "pack"]
     assert seq_packs
 
     log = []
@@ -687,11 +690,12 @@ def test_saved_tensors_hooks_see_the_workers_saved_tensors():
     with torch.autograd.graph.saved_tensors_hooks(*recorder(log)):
         outs = parallel_apply([rendezvous_then_e] * 3, [x, x, x])
     sum(o.sum() for o in outs).backward()
-    packs = sorted(s for kind, s, _ in log if kind == "pack" and 0 not in s)
-    assert packs == sorted(seq_packs * 3)
-    assert any(name.startswith("moe_autograd-worker-") for kind, _, name in log if kind == "pack")
+    packs = [s for kind, s, _ in log if kind == "pack" and 0 not in s]
+    assert packs == seq_packs * 3
+    me = threading.current_thread().name
+    assert all(name == me for _, _, name in log)
     unpacks = sorted(s for kind, s, _ in log if kind == "unpack" and 0 not in s)
-    assert unpacks == packs
+    assert unpacks == sorted(packs)
 
     # outside the context, the workers no longer use the hooks
     log.clear()

@@ -244,16 +244,16 @@ def test_random_calls_and_failures_from_many_threads(fresh_pool, thread_guard, w
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_commits_of_held_parameter_gradients(thread_guard):
-    """hold_param_grads (used by tolerant policies): several user threads'
-    backward commit into the same parameters at once; none may be lost."""
+def test_concurrent_tolerant_backwards_into_shared_parameters(thread_guard):
+    """Tolerant policies: several user threads' backward deliver gradients of
+    the same parameters at once (the engine accumulates them); none may be lost."""
     threads, rounds = 4, 20
     expert = make_expert(7)
     ref = copy.deepcopy(expert)
     inputs = [[torch.randn(3, D, dtype=DT, generator=torch.Generator().manual_seed(100 * r + t))
                for t in range(threads)] for r in range(rounds)]
     start, end = threading.Barrier(threads + 1, timeout=30), threading.Barrier(threads + 1, timeout=30)
-    # every thread's backward of call k meets here, so their commits collide
+    # every thread's backward of call k meets here, so their accumulations collide
     meet = [threading.Barrier(threads, timeout=30) for _ in range(2)]
     errors = []
 
@@ -265,8 +265,7 @@ def test_concurrent_commits_of_held_parameter_gradients(thread_guard):
             for r in range(rounds):
                 start.wait()
                 calls, group = start_calls([expert_call(0), expert_call(1)],
-                                           [inputs[r][t], inputs[r][t] * 2],
-                                           hold_param_grads=True)
+                                           [inputs[r][t], inputs[r][t] * 2])
                 group.wait()
                 group.raise_first_error()
                 outs = finish_calls(calls, BackwardPolicy(tolerate_failures=True))

@@ -97,6 +97,7 @@ class MixtureOfExperts(nn.Module):
         if self.detect_anomalies and not bool(torch.isfinite(outputs[0]).all()):
             raise FloatingPointError(f"{call.name} returned non-finite values")
 
+    @torch._disable_dynamo  # type: ignore[attr-defined]  # opaque to torch.compile
     def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MixtureOfExperts expects [..., {self.in_features}], "
@@ -115,7 +116,7 @@ class MixtureOfExperts(nn.Module):
         calls, group = start_calls(
             [self.experts[e] for e in active],
             [flat.index_select(0, routing.tokens[e]) for e in active],
-            checkpoint=self.checkpoint, hold_param_grads=True,
+            checkpoint=self.checkpoint,
             check_finite_grads=self.detect_anomalies, name="MixtureOfExperts",
             labels=[f"expert {e}" for e in active],
             validate=lambda call: self._validate(call, sizes[call.index]),

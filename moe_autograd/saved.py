@@ -1,0 +1,105 @@
+"""Tensors that calls save on workers, packed by the caller's hooks in call order.
+
+Why
+---
+``torch.autograd.graph.saved_tensors_hooks`` are per thread. A call that runs
+on a worker must still pass what it saves for backward through the caller's
+hooks (offloading with ``save_on_cpu``, memory accounting, and above all the
+frames of the non-reentrant ``torch.utils.checkpoint``), or it silently keeps
+what the user asked to drop. But a checkpoint frame matches the tensors packed
+in forward with those packed again in its recomputation *by position*: packed
+from several threads at once, their order depends on the interleaving, and the
+frame hands a call another call's tensor (silently wrong gradients) or raises
+``CheckpointError``.
+
+How
+---
+A worker packs with :class:`CallSaves` hooks of its call, which only record
+each tensor in a :class:`_Saved` slot. Once every call has been joined, the
+caller replays the user's ``pack`` on the slots, call after call, in call
+order (:meth:`CallSaves.replay`), exactly the order a loop would have packed
+them in. Before the calls' backward starts, the node's backward (on the
+engine's thread, inside the outer graph task) unpacks every slot of the calls
+about to run (:meth:`CallSaves.materialize`): a checkpoint frame then
+recomputes once, for the outer backward, instead of once per worker.
+
+Slot lifecycle::
+
+    forward (worker)       pack        value = tensor
+    after join (caller)    replay      packed = user_pack(tensor); value = None
+    backward (engine)      materialize value = user_unpack(packed)
+    backward (worker)      unpack      -> value
+    after the call's bwd   drop        value = None (packed kept for a retained graph)
+    release                            the slots go
+
+Invariants: with no user hooks nothing here runs (zero cost); a slot's tensor
+is held by exactly one of ``value`` (forward until replay; backward) or the
+user's packed object; the user's hooks run only on the caller's or the
+engine's thread, never on a worker.
+"""
+from typing import Any, Callable, List, Optional, Tuple
+
+from torch import Tensor
+
+__all__ = ["CallSaves"]
+
+Hooks = Tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]
+_UNPACKED = object()
+
+
+class _Saved:
+    __slots__ = ("value", "packed")
+
+    def __init__(self, value: Tensor) -> None:
+        self.value: Optional[Tensor] = value
+        self.packed: Any = _UNPACKED
+
+
+class CallSaves:
+    """The saved tensors of one call, for the caller's ``hooks``."""
+
+    __slots__ = ("hooks", "slots")
+
+    def __init__(self, hooks: Hooks) -> None:
+        self.hooks = hooks
+        self.slots: List[_Saved] = []
+
+    # -- the worker's hooks --------------------------------------------------
+    def pack(self, tensor: Tensor) -> _Saved:
+        slot = _Saved(tensor)
+        self.slots.append(slot)
+        return slot
+
+    @staticmethod
+    def unpack(slot: _Saved) -> Tensor:
+        value = slot.value
+        if value is None:
+            raise RuntimeError(
+                "moe_autograd: a saved tensor of a parallel call was used outside the "
+                "call's backward (or after it was freed)")
+        return value
+
+    # -- the caller's side ---------------------------------------------------
+    def replay(self) -> None:
+        """Packs every slot with the user's hook, in the order they were saved."""
+        pack = self.hooks[0]
+        for slot in self.slots:
+            if slot.packed is _UNPACKED:
+                slot.packed = pack(slot.value)  # type: ignore[arg-type]
+                slot.value = None
+
+    def materialize(self) -> None:
+        """Unpacks every slot with the user's hook (before the call's backward)."""
+        unpack = self.hooks[1]
+        for slot in self.slots:
+            if slot.packed is not _UNPACKED and slot.value is None:
+                slot.value = unpack(slot.packed)
+
+    def drop(self) -> None:
+        """Frees the unpacked tensors after the call's backward."""
+        for slot in self.slots:
+            if slot.packed is not _UNPACKED:
+                slot.value = None
+
+    def release(self) -> None:
+        self.slots = []

@@ -1,0 +1,61 @@
+"""Autograd modes the parallel node cannot carry, and what the runtime does then.
+
+The parallel node is a backward-mode construct: it records each call's own
+graph on a worker and replays its backward there. Two modes of PyTorch work
+differently and would be lost silently on that path:
+
+* forward-mode AD (``torch.autograd.forward_ad`` dual tensors): a worker runs
+  the call on detached inputs, so tangents would come back as ``None``;
+* ``torch.func`` transforms (``grad``, ``vjp``, ``jvp``, ``vmap``...): their
+  wrapped tensors and interpreter stack live on the caller's thread.
+
+In either mode the entry points (:func:`moe_autograd.parallel_apply`,
+:func:`moe_autograd.map_with_parallel_backward`) run the calls sequentially on
+the caller, exactly as a loop would (so results, tangents and errors are the
+loop's); layers that cannot run sequentially (the MoE layer's deadlines)
+raise a :class:`RuntimeError` naming the mode instead.
+
+Invariant: outside those modes :func:`sequential_mode` costs two attribute
+reads and never looks at the tensors.
+"""
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.autograd import forward_ad
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["sequential_mode", "check_parallel_mode"]
+
+
+def _functorch_active() -> bool:
+    return torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def _tensors(tree: Any) -> Iterator[Tensor]:
+    for leaf in tree_flatten(tree)[0]:
+        if isinstance(leaf, Tensor):
+            yield leaf
+        elif isinstance(leaf, nn.Module):
+            yield from leaf.parameters()
+            yield from leaf.buffers()
+
+
+def sequential_mode(tree: Any) -> Optional[str]:
+    """The name of the mode that forces sequential calls for these arguments
+    (tensors, modules, nested in lists/tuples/dicts), or None."""
+    if _functorch_active():
+        return "torch.func transforms (grad, vjp, jvp, vmap)"
+    if forward_ad._current_level >= 0:
+        for t in _tensors(tree):
+            if forward_ad.unpack_dual(t).tangent is not None:
+                return "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp)"
+    return None
+
+
+def check_parallel_mode(what: str, tree: Any) -> None:
+    """Raises a clear error if ``tree`` is in a mode ``what`` cannot run in."""
+    mode = sequential_mode(tree)
+    if mode is not None:
+        raise RuntimeError(f"{what} does not support {mode}: run the experts in a "
+                           "loop (or through moe_autograd.parallel_apply) in this mode")
