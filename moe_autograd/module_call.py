@@ -149,7 +149,7 @@ class ModuleCall(IsolatedCall):
         if not isinstance(self.module, nn.Module):
             return []
         known = set(map(id, self._grad_leaves))
-        params = []
+        params: List[Tensor] = []
         for p in self.module.parameters():
             if p.requires_grad and id(p) not in known:
                 known.add(id(p))

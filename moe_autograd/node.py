@@ -320,10 +320,10 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
     if not policy.tolerate_failures and not all(ok):
         if any(e is not None for e in errors):
             first = next(i for i, e in enumerate(errors) if e is not None)
-            error = errors[first]
-            assert error is not None
-            error.add_note(f"{plan.name} backward: call {first} of {len(calls)}")
-            raise error
+            failure = errors[first]
+            assert failure is not None
+            failure.add_note(f"{plan.name} backward: call {first} of {len(calls)}")
+            raise failure
         late = ok.index(False)
         raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
                            f"missed the {policy.timeout}s deadline")

@@ -15,6 +15,11 @@ names, so it need not wait for the node's backward.
 :func:`start_calls` / :func:`finish_calls` are the two halves of
 :func:`parallel_apply` for callers that wait on their own terms (the MoE
 layer's deadlines and quorum).
+
+Under forward-mode AD or a ``torch.func`` transform, :func:`parallel_apply`
+runs its calls in a loop on the caller (see :mod:`moe_autograd.transforms`);
+:func:`start_calls` raises there. The entry points are opaque to dynamo
+(``torch.compile`` breaks the graph around them instead of tracing the pool).
 """
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
