@@ -18,6 +18,7 @@ AD or a ``torch.func`` transform the map runs its calls with ``func.apply`` in
 a loop (see :mod:`moe_autograd.transforms`).
 """
 import inspect
+from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
@@ -26,9 +27,10 @@ from torch.autograd.function import _is_setup_context_defined  # type: ignore[at
 
 from .executor import run_all
 from .node import Grads, IsolatedCall, attach
+from .policy import INLINE, LANES, Decision, Measure, choose
 from .rng import CallRng
 from .tls import bind, capture
-from .transforms import sequential_mode
+from .transforms import functorch_active, sequential_mode
 
 __all__ = [
     "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
@@ -219,37 +221,75 @@ def _as_tuple(value: Any) -> Tuple[Any, ...]:
 
 
 @torch._disable_dynamo  # type: ignore[attr-defined]
-def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
-                               ) -> Tuple[Tuple[Any, ...], ...]:
+def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any],
+                               mode: Optional[str] = None) -> Tuple[Tuple[Any, ...], ...]:
     """Calls ``func.apply(*args)`` once per element of ``args_per_call``, with
     every forward, and later every backward, running concurrently on workers.
 
     Returns one tuple of outputs per call (a tuple even when ``forward``
     returns one tensor). Outputs and gradients equal separate ``apply`` calls.
+    ``mode`` (``"auto"``, ``"inline"``, ``"lanes"``, ``"parallel"``; default
+    ``MOE_AUTOGRAD_MODE`` or auto) picks how the calls run, see
+    :mod:`moe_autograd.policy`; results are the same in every mode.
     """
     if not (isinstance(func, type) and issubclass(func, torch.autograd.Function)):
         raise TypeError(f"func must be a torch.autograd.Function subclass, got {func!r}")
     n = len(args_per_call)
     args = [tuple(a) for a in args_per_call]
     if sequential_mode(args) is not None:
-        return tuple(_as_tuple(func.apply(*a)) for a in args)
+        return _apply_inline(func, args, None if functorch_active() else _fork(n))
+    rngs = _fork(n)
+    site = frozenset((func,))
+    decision = choose(site, n, mode)
+    with Measure(site, n, decision) as measure:
+        if decision.mode == INLINE:
+            return _apply_inline(func, args, rngs, measure)
+        return _map(func, args, rngs, decision, measure)
+
+
+def _fork(n: int) -> List[CallRng]:
+    """One random stream per call, forked in call order on this thread."""
+    return [CallRng.fork() for _ in range(n)]
+
+
+def _apply_inline(func: FunctionType, args: List[Tuple[Any, ...]],
+                  rngs: Optional[List[CallRng]], measure: Optional[Measure] = None
+                  ) -> Tuple[Tuple[Any, ...], ...]:
+    """The loop itself: ``func.apply`` call after call, each in its stream
+    (``rngs`` None: under a ``torch.func`` transform, its randomness rules)."""
+    results = []
+    for i, a in enumerate(args):
+        def call(a: Tuple[Any, ...] = a, i: int = i) -> Tuple[Any, ...]:
+            with rngs[i].activate() if rngs is not None else nullcontext():
+                return _as_tuple(func.apply(*a))
+        try:
+            results.append(measure.timed(i, call)() if measure is not None else call())
+        except BaseException as error:
+            error.add_note(f"{func.__name__}: call {i} of {len(args)}")
+            raise
+    return tuple(results)
+
+
+def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
+         decision: Decision, measure: Measure) -> Tuple[Tuple[Any, ...], ...]:
+    n = len(args)
     if _has_setup_context(func):
         args = [_bind_defaults(func, a) for a in args]
     state = capture()
     saves = [None if state is None else state.saves() for _ in range(n)]
-    rngs = [CallRng.fork() for _ in range(n)]  # in call order, on this thread
 
     def task(i: int) -> Callable[[], Tuple[EmulatedAutogradContext, Any]]:
         def run() -> Tuple[EmulatedAutogradContext, Any]:
             with rngs[i].activate():
                 return run_isolated_forward(func, *args[i])
-        return bind(state, run, saves[i])
+        return bind(state, measure.timed(i, run), saves[i])
 
-    ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call")
+    lanes = decision.lanes if decision.mode == LANES else None
+    ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call", lanes=lanes)
     calls = [_FunctionCall(func, args[i], i, n, ctx, outputs) for i, (ctx, outputs) in enumerate(ran)]
     for call, s in zip(calls, saves):
         call.saves = s
-    attached = attach(calls, name=func.__name__)
+    attached = attach(calls, name=func.__name__, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):
         values = list(call.results)

@@ -44,7 +44,7 @@ from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
 from .tls import CallerState, bind
 
-__all__ = ["ModuleCall", "Expert"]
+__all__ = ["ModuleCall", "Expert", "call_inline"]
 
 Expert = Callable[..., Any]
 
@@ -84,6 +84,24 @@ def _graph_leaves(outputs: Sequence[Tensor], known: Set[int]) -> List[Tensor]:
     return leaves
 
 
+def _run_expert(module: Expert, args: Sequence[Any], kwargs: Mapping[str, Any],
+                device: torch.device, name: str) -> Any:
+    """One expert call as every mode runs it: on its device, with a skip
+    tracker of its own, under a profiler range named after the call."""
+    with use_device(device), use_skip_tracker(SkipTracker()), \
+            torch.profiler.record_function(name):
+        return module(*args, **kwargs)
+
+
+def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any],
+                rng: Optional[CallRng], name: str) -> Any:
+    """The call as a loop makes it, on this thread and in the caller's graph,
+    drawing from ``rng`` (the ``inline`` mode of :mod:`moe_autograd.policy`)."""
+    leaves = tree_flatten((args, kwargs))[0]
+    with rng.activate() if rng is not None else nullcontext():
+        return _run_expert(module, args, kwargs, _device_of(module, leaves), name)
+
+
 class ModuleCall(IsolatedCall):
     """One call of an expert (module or callable) on an isolated graph."""
 
@@ -120,9 +138,7 @@ class ModuleCall(IsolatedCall):
     def _call(self) -> Any:
         assert self._leaves is not None
         args, kwargs = tree_unflatten(self._leaves, self._in_spec)
-        with use_device(self.device), use_skip_tracker(SkipTracker()), \
-                torch.profiler.record_function(self.name):
-            return self.module(*args, **kwargs)
+        return _run_expert(self.module, args, kwargs, self.device, self.name)
 
     def forward(self) -> "ModuleCall":
         """Runs the call on this thread (a worker); fills ``outputs``."""

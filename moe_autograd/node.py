@@ -127,6 +127,16 @@ class _Plan:
         self.lock = threading.Lock()
         # Taken in grad mode (the node's forward runs without it).
         self.constant = [not call.needs_grad for call in calls]
+        #: ``lanes`` for the backward (see :func:`moe_autograd.executor.run_all`).
+        self.lanes: Optional[int] = None
+        # The node's inputs list the calls last first: the engine then sums the
+        # gradient terms of a tensor shared by several calls in the order a
+        # loop's backward produces them (later calls first), bit for bit.
+        self.input_offsets = [0] * len(calls)
+        offset = 0
+        for i in reversed(range(len(calls))):
+            self.input_offsets[i] = offset
+            offset += len(calls[i].inputs)
         # Output metadata, to materialize zero gradients without keeping outputs.
         self.output_meta = [
             [(o.shape, o.dtype, o.device) for o in call.outputs] for call in calls
@@ -176,12 +186,10 @@ class _ParallelNode(torch.autograd.Function):
         outputs: List[Tensor] = []
         non_differentiable: List[Tensor] = []
         dirty: List[Tensor] = []
-        offset = 0
         assert plan.calls is not None
-        for call, constant in zip(plan.calls, plan.constant):
+        for call, constant, offset in zip(plan.calls, plan.constant, plan.input_offsets):
             if not (constant or call.dirty or call.non_differentiable):
                 outputs.extend([out.detach() for out in call.outputs])
-                offset += len(call.inputs)
                 continue
             dirty_at = dict(call.dirty)
             nondiff = {id(t) for t in call.non_differentiable}
@@ -194,7 +202,6 @@ class _ParallelNode(torch.autograd.Function):
                 if constant or id(out) in nondiff:
                     non_differentiable.append(result)
                 outputs.append(result)
-            offset += len(call.inputs)
         if dirty:
             ctx.mark_dirty(*dirty)
         if non_differentiable:
@@ -220,7 +227,7 @@ class _ParallelNode(torch.autograd.Function):
         # and cannot be differentiated again: make that an error, never a constant.
         with torch.no_grad():
             grads = _ParallelNode._backward(plan, calls, grad_outputs)
-        inputs = [t for call in calls for t in call.inputs]
+        inputs = [t for call in reversed(calls) for t in call.inputs]
         return _NoDoubleBackward.apply(len(grads), *grads, *inputs)
 
     @staticmethod
@@ -240,7 +247,7 @@ class _ParallelNode(torch.autograd.Function):
                         grads[k] = torch.zeros(shape, dtype=dtype, device=device)
             per_call.append(grads)
         input_grads = _run_backwards(plan, calls, per_call)
-        return (None, None, *[g for grads in input_grads for g in grads])
+        return (None, None, *[g for grads in reversed(input_grads) for g in grads])
 
 
 def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
@@ -291,14 +298,18 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
         grads = per_call[i]
 
         def run() -> Any:
-            raw = call.backward(grads)  # type: ignore[arg-type]
-            # A tolerant caller must see a malformed result as this call's failure.
-            return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
+            try:
+                raw = call.backward(grads)  # type: ignore[arg-type]
+                # A tolerant caller must see a malformed result as this call's failure.
+                return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
+            except BaseException as error:
+                error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                raise
         return bind(state, run)
 
     fns = [task(i) for i in active]
     if strict:
-        raws = run_all(fns, f"{plan.name} backward: call")
+        raws = run_all(fns, None, lanes=plan.lanes)
         for i, raw in zip(active, raws):
             try:
                 results[i] = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
@@ -319,11 +330,7 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
         errors[i] = group.errors[j]
     if not policy.tolerate_failures and not all(ok):
         if any(e is not None for e in errors):
-            first = next(i for i, e in enumerate(errors) if e is not None)
-            failure = errors[first]
-            assert failure is not None
-            failure.add_note(f"{plan.name} backward: call {first} of {len(calls)}")
-            raise failure
+            raise next(e for e in errors if e is not None)
         late = ok.index(False)
         raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
                            f"missed the {policy.timeout}s deadline")
@@ -341,7 +348,8 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
 
 def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
            name: str = "parallel call",
-           phony_device: Optional[torch.device] = None) -> List[List[Tensor]]:
+           phony_device: Optional[torch.device] = None,
+           lanes: Optional[int] = None) -> List[List[Tensor]]:
     """Hangs the calls' outputs off one ``_ParallelNode``; returns each call's
     outputs as tensors of the caller's graph.
 
@@ -359,8 +367,9 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
         if call.saves is not None:
             call.saves.replay()
     plan = _Plan(calls, policy, name)
+    plan.lanes = lanes
     phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
-    flat_inputs = [t for call in calls for t in call.inputs]
+    flat_inputs = [t for call in reversed(calls) for t in call.inputs]
     # The node saves only its release token. Identity hooks keep the caller's
     # saved-tensor hooks (offloading, say) from copying it, which would free the
     # calls before backward.

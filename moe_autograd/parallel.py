@@ -28,11 +28,13 @@ from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
 from .dependency import fork, join
-from .executor import TaskGroup, get_pool
-from .module_call import Expert, ModuleCall
+from .executor import TaskGroup, get_pool, run_all
+from .module_call import Expert, ModuleCall, call_inline
 from .node import BackwardPolicy, attach
+from .policy import INLINE, LANES, Measure, choose, site_of
+from .rng import CallRng
 from .tls import bind, capture
-from .transforms import check_parallel_mode, sequential_mode
+from .transforms import check_parallel_mode, functorch_active, sequential_mode
 
 __all__ = ["parallel_apply", "recompute_early", "start_calls", "finish_calls", "ModuleCall"]
 
@@ -90,14 +92,6 @@ def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[boo
     return [bool(v) for v in values]
 
 
-def _sequential(modules: Sequence[Expert], inputs: Sequence[Any],
-                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]], n: int) -> List[Any]:
-    if len(inputs) != n or (kwargs is not None and len(kwargs) != n):
-        raise ValueError(f"parallel_apply: {n} modules but {len(inputs)} inputs")
-    return [modules[i](*_as_args(inputs[i]), **((kwargs[i] if kwargs else None) or {}))
-            for i in range(n)]
-
-
 def _import_lazy_modules(checkpoint: bool) -> None:
     """PyTorch imports sympy (first backward with explicit gradients) and
     dynamo (first dispatch mode: the RNG of a checkpointed call) on first use,
@@ -108,28 +102,17 @@ def _import_lazy_modules(checkpoint: bool) -> None:
         import torch._dynamo  # noqa: F401
 
 
-def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
-                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
-                checkpoint: Union[bool, Sequence[bool]] = False,
-                check_finite_grads: bool = False,
-                name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
-                validate: Optional[Callable[[ModuleCall], None]] = None,
-                ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
-    """Queues every call's forward on the pool; the caller joins the group.
-
-    ``labels`` name the calls in errors and profiler ranges (default
-    ``call <i> of <n>``); ``validate`` runs on the worker after each forward
-    and fails the call by raising.
-    """
+def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
+                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]],
+                checkpoint: Union[bool, Sequence[bool]], check_finite_grads: bool, name: str,
+                labels: Optional[Sequence[str]],
+                validate: Optional[Callable[[ModuleCall], None]],
+                ) -> Tuple[List[ModuleCall], List[Callable[[], ModuleCall]]]:
+    """The call records, created (their random streams forked) here in call
+    order, and one forward task per call."""
     n = len(modules)
-    if len(inputs) != n:
-        raise ValueError(f"{name}: {n} modules but {len(inputs)} inputs")
-    if kwargs is not None and len(kwargs) != n:
-        raise ValueError(f"{name}: {n} modules but {len(kwargs)} kwargs")
-    check_parallel_mode(name, [inputs, kwargs, modules])
     flags = _per_call(checkpoint, n, "checkpoint")
     state = capture()
-    # Calls are created (and their random streams forked) here, in call order.
     calls = [
         ModuleCall(modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
                    checkpoint=flags[i], check_finite_grads=check_finite_grads,
@@ -146,12 +129,42 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 return call.forward()
         return bind(state, run, call.saves)
 
-    return calls, get_pool().submit([task(c) for c in calls])
+    return calls, [task(c) for c in calls]
+
+
+def _check_lengths(name: str, n: int, inputs: Sequence[Any],
+                   kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]]) -> None:
+    if len(inputs) != n:
+        raise ValueError(f"{name}: {n} modules but {len(inputs)} inputs")
+    if kwargs is not None and len(kwargs) != n:
+        raise ValueError(f"{name}: {n} modules but {len(kwargs)} kwargs")
+
+
+def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
+                kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
+                checkpoint: Union[bool, Sequence[bool]] = False,
+                check_finite_grads: bool = False,
+                name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
+                validate: Optional[Callable[[ModuleCall], None]] = None,
+                ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
+    """Queues every call's forward on the pool, each call on a worker of its
+    own; the caller joins the group.
+
+    ``labels`` name the calls in errors and profiler ranges (default
+    ``call <i> of <n>``); ``validate`` runs on the worker after each forward
+    and fails the call by raising.
+    """
+    _check_lengths(name, len(modules), inputs, kwargs)
+    check_parallel_mode(name, [inputs, kwargs, modules])
+    calls, tasks = _make_calls(modules, inputs, kwargs, checkpoint, check_finite_grads, name,
+                               labels, validate)
+    return calls, get_pool().submit(tasks)
 
 
 def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] = None,
-                 name: str = "parallel_apply") -> List[Any]:
-    """Hangs the finished calls off one node; returns their results."""
+                 name: str = "parallel_apply", lanes: Optional[int] = None) -> List[Any]:
+    """Hangs the finished calls off one node; returns their results. With
+    ``lanes`` their backward runs on that many threads (see ``run_all``)."""
     if not calls:
         return []
     if not any(call.needs_grad for call in calls):
@@ -160,7 +173,7 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
         return [call.rebuild(call.outputs) for call in calls]
     for call in calls:
         call.prepare()
-    attached = attach(calls, policy, name=name, phony_device=calls[0].device)
+    attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):
         if call.checkpoint:
@@ -177,19 +190,54 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
 @torch._disable_dynamo  # type: ignore[attr-defined]
 def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
                    kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
-                   checkpoint: Union[bool, Sequence[bool]] = False) -> List[Any]:
+                   checkpoint: Union[bool, Sequence[bool]] = False,
+                   mode: Optional[str] = None) -> List[Any]:
     """Calls ``modules[i](*inputs[i], **kwargs[i])`` for every ``i``, forward and
     backward concurrently on workers; returns the outputs in order.
 
     ``inputs[i]`` is a tensor or a tuple of arguments. Gradients (inputs and
     parameters, shared modules included) equal those of a plain loop. With
     ``checkpoint`` (a bool, or one per call), a call keeps only its inputs and
-    recomputes its forward on a worker in backward.
+    recomputes its forward on a worker in backward. ``mode`` (``"auto"``,
+    ``"inline"``, ``"lanes"``, ``"parallel"``; default ``MOE_AUTOGRAD_MODE`` or
+    auto) picks how the calls run, see :mod:`moe_autograd.policy`; results
+    are the same in every mode.
     """
-    mode = sequential_mode([(inputs, kwargs), modules])
-    if mode is not None:
-        return _sequential(modules, inputs, kwargs, len(modules))
-    calls, group = start_calls(modules, inputs, kwargs, checkpoint=checkpoint)
-    group.wait()
-    group.raise_first_error("parallel_apply: call")
-    return finish_calls(calls)
+    n = len(modules)
+    _check_lengths("parallel_apply", n, inputs, kwargs)
+    flags = _per_call(checkpoint, n, "checkpoint")
+    if sequential_mode([(inputs, kwargs), modules]) is not None:
+        return _inline(modules, inputs, kwargs, forked=not functorch_active())
+    site = site_of(modules)
+    decision = choose(site, n, mode)
+    with Measure(site, n, decision) as measure:
+        if decision.mode == INLINE and not any(flags):
+            return _inline(modules, inputs, kwargs, measure=measure)
+        lanes = decision.lanes if decision.mode in (LANES, INLINE) else None
+        calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
+                                   None, None)
+        run_all([measure.timed(i, t) for i, t in enumerate(tasks)], "parallel_apply: call",
+                lanes=lanes)
+        return finish_calls(calls, lanes=lanes)
+
+
+def _inline(modules: Sequence[Expert], inputs: Sequence[Any],
+            kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]],
+            forked: bool = True, measure: Optional[Measure] = None) -> List[Any]:
+    """The loop itself, each call in its own random stream (forked first, in
+    call order, as in every mode; not under a ``torch.func`` transform, whose
+    randomness rules apply there)."""
+    n = len(modules)
+    rngs = [CallRng.fork() if forked else None for _ in range(n)]
+    results = []
+    for i in range(n):
+        name = f"parallel_apply: call {i} of {n}"
+        def call(i: int = i, name: str = name) -> Any:
+            return call_inline(modules[i], _as_args(inputs[i]),
+                               (kwargs[i] if kwargs else None) or {}, rngs[i], name)
+        try:
+            results.append(measure.timed(i, call)() if measure is not None else call())
+        except BaseException as error:
+            error.add_note(name)
+            raise
+    return results

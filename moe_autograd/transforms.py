@@ -25,10 +25,12 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["sequential_mode", "check_parallel_mode"]
+__all__ = ["sequential_mode", "check_parallel_mode", "functorch_active"]
 
 
-def _functorch_active() -> bool:
+def functorch_active() -> bool:
+    """Whether a ``torch.func`` transform is running on this thread (random
+    ops then follow the transform's own randomness rules, not per-call streams)."""
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
@@ -44,7 +46,7 @@ def _tensors(tree: Any) -> Iterator[Tensor]:
 def sequential_mode(tree: Any) -> Optional[str]:
     """The name of the mode that forces sequential calls for these arguments
     (tensors, modules, nested in lists/tuples/dicts), or None."""
-    if _functorch_active():
+    if functorch_active():
         return "torch.func transforms (grad, vjp, jvp, vmap)"
     if forward_ad._current_level >= 0:
         for t in _tensors(tree):

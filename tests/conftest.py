@@ -79,3 +79,12 @@ def run_python() -> Callable[..., str]:
 def wait_dead() -> Callable[..., List[bool]]:
     """``wait_dead(refs, timeout=5.0)``: see :func:`helpers.wait_dead`."""
     return helpers.wait_dead
+
+
+@pytest.fixture(autouse=True)
+def fresh_policy():
+    """Every test starts with no learned execution modes (see
+    moe_autograd.policy): a site's first batch fans out, as in a new process."""
+    from moe_autograd import policy
+    policy._reset()
+    yield

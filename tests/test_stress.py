@@ -200,7 +200,10 @@ def run_map(rng, Flaky, stats):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("pool_size", [None, 2])
 def test_random_calls_and_failures_from_many_threads(fresh_pool, thread_guard, wait_dead,
-                                                     pool_size):
+                                                     pool_size, monkeypatch):
+    # The parallel path under stress (tiny calls would run inline in auto mode,
+    # where a failing backward is the loop's own, without a "call i of n" note).
+    monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
     if pool_size is not None:
         pool = fresh_pool(pool_size)
     threads, iterations = 6, 15
