@@ -41,7 +41,7 @@ Invariants:
 """
 import threading
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -279,12 +279,51 @@ def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall],
     saves = [calls[i].saves for i in active if calls[i].saves is not None]
     for s in saves:
         s.materialize()  # type: ignore[union-attr]
+    muted = _mute_tensor_hooks([t for i in active for t in calls[i].inputs])
     try:
         _run_active(plan, calls, per_call, active, results)
     finally:
+        _restore_tensor_hooks(muted)
         for s in saves:
             s.drop()  # type: ignore[union-attr]
     return results
+
+
+Muted = List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]]
+
+
+def _mute_tensor_hooks(tensors: Sequence[Tensor]) -> Muted:
+    """Empties the ``register_hook`` hooks of the leaves among ``tensors``
+    while the calls run their backward.
+
+    A call's own graph reaches its expert's parameters, so the call's
+    ``torch.autograd.grad`` captures their gradients at their
+    ``AccumulateGrad`` node, and PyTorch runs a leaf's tensor hooks on every
+    capture: a hook would fire once per call with a partial gradient, and a
+    hook that rewrites the gradient (clipping, say) would apply twice. The
+    engine runs them once, with the summed gradient, when it accumulates the
+    node's results. (Post-accumulate hooks and DDP's hooks on the accumulator
+    run only when it accumulates, never on a capture.) The hook dicts are
+    emptied in place, so PyTorch's handles stay valid; a backward of another
+    thread through the same parameters at this moment would miss them.
+    """
+    muted: Muted = []
+    seen = set()
+    for t in tensors:
+        hooks = t._backward_hooks if t.is_leaf else None
+        if hooks and id(hooks) not in seen:
+            seen.add(id(hooks))
+            muted.append((hooks, list(hooks.items())))
+            hooks.clear()
+    return muted
+
+
+def _restore_tensor_hooks(muted: Muted) -> None:
+    for hooks, items in muted:
+        kept = list(hooks.items())  # registered meanwhile
+        hooks.clear()
+        hooks.update(items)
+        hooks.update(kept)
 
 
 def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optional[Grads]],

@@ -11,6 +11,8 @@ Invariants:
 
 * :meth:`CallerState.applied` restores the worker's previous state on exit,
   so a worker that serves several callers never mixes their states.
+* Python dispatch modes of the caller never apply to a task, on whichever
+  thread it runs (a worker never has them; the caller, helping, hides them).
 * The user's saved-tensor hooks never run on a worker: a call's forward packs
   into its own :class:`~moe_autograd.saved.CallSaves`, which the caller
   replays through the user's hooks in call order (see :mod:`.saved`); other
@@ -21,6 +23,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Generator, List, Optional, Tuple, TypeVar
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .saved import CallSaves
 
@@ -39,7 +42,8 @@ def capture() -> Optional["CallerState"]:
 class CallerState:
     """A snapshot of the caller thread's state, taken at submission."""
 
-    __slots__ = ("autocast", "cache_enabled", "inference_mode", "saved_tensor_hooks")
+    __slots__ = ("autocast", "cache_enabled", "inference_mode", "saved_tensor_hooks",
+                 "dispatch_modes")
 
     def __init__(self) -> None:
         self.autocast: List[Tuple[str, bool, torch.dtype]] = [
@@ -51,10 +55,15 @@ class CallerState:
         self.saved_tensor_hooks: Optional[Tuple[Any, Any]] = (
             torch._C._autograd._top_saved_tensors_default_hooks(False)
         )
+        # Python dispatch modes (selective checkpointing's caches, say) are the
+        # caller's own: a task that the caller runs itself must not see them,
+        # or what they record depends on which calls the caller happened to run.
+        self.dispatch_modes = torch._C._len_torch_dispatch_stack() > 0
 
     @property
     def is_default(self) -> bool:
         return not (self.inference_mode or self.saved_tensor_hooks is not None
+                    or self.dispatch_modes
                     or any(enabled for _, enabled, _ in self.autocast))
 
     def saves(self) -> Optional[CallSaves]:
@@ -67,6 +76,8 @@ class CallerState:
         """Runs the body with this state on the current thread; the body's
         saved tensors go to ``saves`` (see :mod:`.saved`)."""
         with ExitStack() as stack:
+            if self.dispatch_modes and torch._C._len_torch_dispatch_stack() > 0:
+                stack.enter_context(_disable_current_modes())
             if self.inference_mode and not torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode())
             for device, enabled, dtype in self.autocast:
