@@ -30,11 +30,10 @@ do not count), and its own wall time. The next batch of the site then runs:
   the lanes keep the caller's intra-op thread count, as CPU reductions split
   their work by thread count: fewer threads per lane would change results in
   the last bits);
-* ``parallel`` if its calls *wait*: each spent less than half its wall time
-  on the CPU (sleep, network, a device, another call);
-* ``inline`` if a call costs less than :data:`INLINE_BELOW_S` of CPU (the
-  hand-off would cost more than the call);
-* ``parallel`` otherwise.
+* ``inline`` if a call takes less than :data:`INLINE_BELOW_S` of wall time
+  (the hand-off to a worker would cost as much as the call; a call that waits
+  longer than that, on a network or a device, stays fanned out);
+* ``parallel`` otherwise: its calls wait, and overlap.
 
 A site leaves ``parallel`` only after :data:`EVIDENCE` batches agree, and the
 profile is a moving average, so one odd batch does not flip it.
@@ -65,12 +64,10 @@ __all__ = ["INLINE", "LANES", "PARALLEL", "MODES", "INLINE_BELOW_S", "Decision",
 
 INLINE, LANES, PARALLEL = "inline", "lanes", "parallel"
 MODES = (INLINE, LANES, PARALLEL)
-#: CPU time per call below which a call runs inline.
-INLINE_BELOW_S = 150e-6
+#: Wall time per call below which a call runs inline.
+INLINE_BELOW_S = 300e-6
 #: Share of the usable cores a batch's calls must keep busy to count as CPU-bound.
 BUSY_SHARE = 0.4
-#: Share of its wall time a call must spend on the CPU not to count as waiting.
-ON_CPU_SHARE = 0.5
 #: Batches of a site measured before it may leave ``parallel``.
 EVIDENCE = 2
 _SMOOTHING = 0.3
@@ -111,9 +108,11 @@ def site_of(experts: Sequence[Any]) -> Hashable:
 
 
 class _Profile:
-    __slots__ = ("cpu_per_call", "busy", "on_cpu", "batches", "last", "reason", "modes")
+    __slots__ = ("wall_per_call", "cpu_per_call", "busy", "on_cpu", "batches", "last",
+                 "reason", "modes")
 
     def __init__(self) -> None:
+        self.wall_per_call = 0.0
         self.cpu_per_call = 0.0
         self.busy = 0.0  # share of the usable cores the calls kept busy
         self.on_cpu = 0.0  # share of the calls' own wall time spent on the CPU
@@ -169,11 +168,9 @@ def choose(site: Hashable, n: int, mode: Optional[str] = None) -> Decision:
         if lanes == 1:
             return Decision(INLINE, 1, why + "; one lane fits the cores")
         return Decision(LANES, lanes, why)
-    if profile.on_cpu < ON_CPU_SHARE:
-        return Decision(PARALLEL, n, f"calls wait ({profile.on_cpu:.0%} of their time on CPU)")
-    if profile.cpu_per_call < INLINE_BELOW_S:
-        return Decision(INLINE, 1, f"calls cost {profile.cpu_per_call * 1e6:.0f} us of CPU")
-    return Decision(PARALLEL, n, "calls overlap")
+    if profile.wall_per_call < INLINE_BELOW_S:
+        return Decision(INLINE, 1, f"calls take {profile.wall_per_call * 1e6:.0f} us")
+    return Decision(PARALLEL, n, f"calls wait ({profile.on_cpu:.0%} of their time on CPU)")
 
 
 class Measure:
@@ -215,15 +212,17 @@ def record(site: Hashable, n: int, batch_wall: float, call_wall: float, call_cpu
     usable = 1 if decision.mode == INLINE else min(decision.lanes, cores())
     busy = call_cpu / max(batch_wall, 1e-9) / usable
     on_cpu = call_cpu / max(call_wall, 1e-9)
-    per_call = call_cpu / n
+    per_call, wall_per_call = call_cpu / n, call_wall / n
     with _lock:
         profile = _profiles.get(site)
         if profile is None:
             profile = _profiles[site] = _Profile()
         if profile.batches == 0:
             profile.cpu_per_call, profile.busy, profile.on_cpu = per_call, busy, on_cpu
+            profile.wall_per_call = wall_per_call
         else:
             a = _SMOOTHING
+            profile.wall_per_call += a * (wall_per_call - profile.wall_per_call)
             profile.cpu_per_call += a * (per_call - profile.cpu_per_call)
             profile.busy += a * (busy - profile.busy)
             profile.on_cpu += a * (on_cpu - profile.on_cpu)
@@ -242,6 +241,7 @@ def execution_stats() -> List[Dict[str, Any]]:
         items: List[Tuple[Hashable, _Profile]] = list(_profiles.items())
     return [{
         "site": _name(site), "mode": p.last, "reason": p.reason, "batches": dict(p.modes),
+        "wall_per_call_us": round(p.wall_per_call * 1e6, 1),
         "cpu_per_call_us": round(p.cpu_per_call * 1e6, 1), "cores_busy": round(p.busy, 3),
         "on_cpu": round(p.on_cpu, 3),
     } for site, p in items]
