@@ -23,13 +23,17 @@ Each batch measures, per call, its wall time and its thread's CPU time
 (inside the call, so queueing for a worker and other threads of the process
 do not count), and its own wall time. The next batch of the site then runs:
 
-* ``lanes`` if the batch was *CPU-bound*: its calls' CPU time filled at least
-  :data:`BUSY_SHARE` of the cores it could use (``cores`` fanned out, one
-  thread inline) — as many lanes as fit the cores with the caller's intra-op
-  threads each, so nothing oversubscribes them (``inline`` when one lane fits;
-  the lanes keep the caller's intra-op thread count, as CPU reductions split
-  their work by thread count: fewer threads per lane would change results in
-  the last bits);
+* ``lanes`` if the batch was *CPU-bound*: the process's CPU time (all its
+  threads, intra-op teams included) filled at least :data:`BUSY_SHARE` of
+  the cores the batch could use (``cores`` fanned out, one thread inline),
+  and the calls' own threads account for a fair share of it (at least
+  ``1 / (2 x intra-op threads)``, so that another busy thread of the
+  process, a data loader say, does not make waiting calls look CPU-bound).
+  As many lanes run as fit the cores with the caller's intra-op threads each,
+  so nothing oversubscribes them (``inline`` when one lane fits). The lanes
+  keep the caller's intra-op thread count: CPU reductions split their work by
+  thread count, so fewer threads per lane would change results in the last
+  bits;
 * ``inline`` if a call takes less than :data:`INLINE_BELOW_S` of wall time
   (the hand-off to a worker would cost as much as the call; a call that waits
   longer than that, on a network or a device, stays fanned out);
@@ -66,8 +70,8 @@ INLINE, LANES, PARALLEL = "inline", "lanes", "parallel"
 MODES = (INLINE, LANES, PARALLEL)
 #: Wall time per call below which a call runs inline.
 INLINE_BELOW_S = 300e-6
-#: Share of the usable cores a batch's calls must keep busy to count as CPU-bound.
-BUSY_SHARE = 0.4
+#: Share of the usable cores a batch must keep busy to count as CPU-bound.
+BUSY_SHARE = 0.6
 #: Batches of a site measured before it may leave ``parallel``.
 EVIDENCE = 2
 _SMOOTHING = 0.3
@@ -177,7 +181,7 @@ class Measure:
     """Measures one batch: ``with Measure(site, n, decision) as m:``, with
     each call run through ``m.timed(i, fn)``."""
 
-    __slots__ = ("site", "n", "decision", "walls", "cpus", "_wall")
+    __slots__ = ("site", "n", "decision", "walls", "cpus", "_wall", "_process")
 
     def __init__(self, site: Hashable, n: int, decision: Decision) -> None:
         self.site, self.n, self.decision = site, n, decision
@@ -198,19 +202,29 @@ class Measure:
 
     def __enter__(self) -> "Measure":
         self._wall = time.perf_counter()
+        self._process = time.process_time()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if exc[0] is None and self.n:
-            record(self.site, self.n, time.perf_counter() - self._wall, sum(self.walls),
-                   sum(self.cpus), self.decision)
+            record(self.site, self.n, time.perf_counter() - self._wall,
+                   time.process_time() - self._process, sum(self.walls), sum(self.cpus),
+                   self.decision)
 
 
-def record(site: Hashable, n: int, batch_wall: float, call_wall: float, call_cpu: float,
-           decision: Decision) -> None:
+def record(site: Hashable, n: int, batch_wall: float, process_cpu: float, call_wall: float,
+           call_cpu: float, decision: Decision) -> None:
     """Folds one batch's measurements into the site's profile."""
+    if decision.reason == "forced":  # counted, but learns nothing: auto never ran it
+        with _lock:
+            profile = _profiles.setdefault(site, _Profile())
+            key = f"{decision.mode} (forced)"
+            profile.modes[key] = profile.modes.get(key, 0) + 1
+        return
     usable = 1 if decision.mode == INLINE else min(decision.lanes, cores())
-    busy = call_cpu / max(batch_wall, 1e-9) / usable
+    busy = process_cpu / max(batch_wall, 1e-9) / usable
+    if call_cpu < process_cpu / (2 * max(1, torch.get_num_threads())):
+        busy = 0.0  # the CPU went to other threads of the process, not to the calls
     on_cpu = call_cpu / max(call_wall, 1e-9)
     per_call, wall_per_call = call_cpu / n, call_wall / n
     with _lock:

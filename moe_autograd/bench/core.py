@@ -12,12 +12,17 @@
 ``overhead``
     64 identity calls on tensors of 4 elements: the per-call cost of
     forward + backward through :func:`~moe_autograd.map_with_parallel_backward`
-    vs a plain ``apply`` loop and one backward. Goal: <= 1.5x.
+    vs a plain ``apply`` loop and one backward, as users get it (``auto``
+    mode: such calls run inline), goal <= 1.5x; and ``overhead/parallel``,
+    the fanned-out path forced (``mode="parallel"``), goal <= 2.0x.
 ``compute``
     16 MLP experts (256 -> 1024 -> ReLU -> 256), 64 tokens each, forward +
-    backward through :func:`~moe_autograd.parallel_apply` vs a Python loop.
-    No goal (see ``NOTES`` in the package).
+    backward through :func:`~moe_autograd.parallel_apply` vs a Python loop,
+    goal <= 1.0x; ``compute/loaded`` the same while another process spins one
+    core (in both arms), goal <= 1.1x; ``compute/parallel`` forced fan-out.
 """
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, List, Optional, Sequence, Tuple
@@ -127,17 +132,44 @@ def bench_overhead(quick: bool) -> List[Row]:
     xs = [torch.randn(4, requires_grad=True) for _ in range(n)]
     grads = [torch.ones(4) for _ in range(n)]
 
-    def ours() -> None:
-        outs = [r[0] for r in map_with_parallel_backward(_Identity, *[(x,) for x in xs])]
+    def ours(mode: Optional[str] = None) -> None:
+        outs = [r[0] for r in map_with_parallel_backward(_Identity, *[(x,) for x in xs],
+                                                         mode=mode)]
         torch.autograd.backward(outs, grads)
 
     def plain() -> None:
         outs = [_Identity.apply(x) for x in xs]
         torch.autograd.backward(outs, grads)
 
-    s = measure({"ours": ours, "plain": plain}, plan.reps, plan.warmup, plan.inner)
+    s = measure({"ours": ours, "parallel": lambda: ours("parallel"), "plain": plain},
+                plan.reps, plan.warmup, plan.inner)
     return [compare("overhead", s, "plain", "ours", 1.5,
-                    f"per call, {n} calls on shape [4]; baseline = apply loop", scale=1 / n)]
+                    f"per call, {n} calls on shape [4]; baseline = apply loop; "
+                    f"ours as users get it (auto: {_mode_of(_Identity.__qualname__)})",
+                    scale=1 / n),
+            compare("overhead/parallel", s, "plain", "parallel", 2.0,
+                    f"per call; mode='parallel' forced (every call on a worker)", scale=1 / n)]
+
+
+def _mode_of(site: str) -> str:
+    """The mode auto mode ran a site in last (see moe_autograd.policy)."""
+    from ..policy import execution_stats
+    for stats in execution_stats():
+        if stats["site"] == site:
+            return str(stats["mode"])
+    return "?"
+
+
+class _Spinner:
+    """Another process spinning one core while the block runs."""
+
+    def __enter__(self) -> "_Spinner":
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.proc.kill()
+        self.proc.wait()
 
 
 # -- compute-bound ---------------------------------------------------------------
@@ -151,13 +183,23 @@ def bench_compute(quick: bool) -> List[Row]:
     experts = [_mlp(256, 1024) for _ in range(16)]
     xs = [torch.randn(64, 256, requires_grad=True) for _ in experts]
 
-    def ours() -> None:
-        backward_all(parallel_apply(experts, xs))
+    def ours(mode: Optional[str] = None) -> None:
+        backward_all(parallel_apply(experts, xs, mode=mode))
 
     def loop() -> None:
         backward_all([e(x) for e, x in zip(experts, xs)])
 
-    s = measure({"ours": ours, "loop": loop}, plan.reps, plan.warmup)
-    return [compare("compute", s, "loop", "ours", None,
-                    f"16 MLP experts 256-1024-256 x 64 tokens; baseline = Python loop; "
-                    f"intra-op threads {torch.get_num_threads()}")]
+    variants = {"ours": ours, "parallel": lambda: ours("parallel"), "loop": loop}
+    s = measure(variants, plan.reps, plan.warmup)
+    what = (f"16 MLP experts 256-1024-256 x 64 tokens; baseline = Python loop; "
+            f"intra-op threads {torch.get_num_threads()}")
+    rows = [compare("compute", s, "loop", "ours", 1.0,
+                    f"{what}; auto: {_mode_of('Sequential')}"),
+            compare("compute/parallel", s, "loop", "parallel", None,
+                    f"{what}; mode='parallel' forced")]
+    with _Spinner():
+        loaded = measure({"ours": ours, "loop": loop}, plan.reps, plan.warmup)
+    rows.append(compare("compute/loaded", loaded, "loop", "ours", 1.1,
+                        f"{what}; another process spins one core in both arms; "
+                        f"auto: {_mode_of('Sequential')}"))
+    return rows
