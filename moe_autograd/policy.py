@@ -217,9 +217,9 @@ def record(site: Hashable, n: int, batch_wall: float, process_cpu: float, call_w
     """Folds one batch's measurements into the site's profile."""
     if decision.reason == "forced":  # counted, but learns nothing: auto never ran it
         with _lock:
-            profile = _profiles.setdefault(site, _Profile())
+            forced = _profiles.setdefault(site, _Profile())
             key = f"{decision.mode} (forced)"
-            profile.modes[key] = profile.modes.get(key, 0) + 1
+            forced.modes[key] = forced.modes.get(key, 0) + 1
         return
     usable = 1 if decision.mode == INLINE else min(decision.lanes, cores())
     busy = process_cpu / max(batch_wall, 1e-9) / usable
@@ -228,9 +228,7 @@ def record(site: Hashable, n: int, batch_wall: float, process_cpu: float, call_w
     on_cpu = call_cpu / max(call_wall, 1e-9)
     per_call, wall_per_call = call_cpu / n, call_wall / n
     with _lock:
-        profile = _profiles.get(site)
-        if profile is None:
-            profile = _profiles[site] = _Profile()
+        profile = _profiles.setdefault(site, _Profile())
         if profile.batches == 0:
             profile.cpu_per_call, profile.busy, profile.on_cpu = per_call, busy, on_cpu
             profile.wall_per_call = wall_per_call
