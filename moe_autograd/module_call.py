@@ -209,7 +209,10 @@ class ModuleCall(IsolatedCall):
             result = self._call()
         outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
         known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
-        stray = _graph_leaves([o for o in outputs if o.requires_grad], known)
+        # Empty leaves (the phonies that order nodes, a remote call's say)
+        # carry no gradient to lose.
+        stray = [t for t in _graph_leaves([o for o in outputs if o.requires_grad], known)
+                 if t.numel()]
         if stray:
             raise RuntimeError(
                 f"{self.name}: the checkpointed call differentiates into {len(stray)} tensor(s) "
