@@ -2,7 +2,27 @@
 
 A batch of expert calls becomes one autograd node whose forward and backward
 both fan out over a worker pool, with gradients equal to sequential autograd.
+
+The package's main names are importable from here: the runtime
+(``parallel_apply``, ``map_with_parallel_backward``, ...), the layer
+(``MixtureOfExperts``, ``NotEnoughExperts``, ``run_experts``) and the remote
+experts (``ExpertServer``, ``RemoteExpert``, ``RemoteExpertError``,
+``RemoteTimeoutError``).
+
+Invariant: ``import moe_autograd`` loads the runtime only. The layer's and the
+remote experts' names are resolved on first access (PEP 562): their
+subpackages cost import time that users of the runtime alone need not pay, and
+the remote experts need ``torch.distributed``, which some PyTorch builds lack.
+Measured on torch 2.13 (CPU, a loaded 2-core machine): ``torch`` itself
+already imports ``torch.distributed.rpc``; ``python -X importtime`` puts
+``moe_autograd.moe`` at 13-36 ms and ``moe_autograd.remote`` at 27-51 ms of a
+2.5-4 s import, a difference the wall-clock medians of 10 runs each
+(``python -c "import moe_autograd"``) did not resolve. ``__all__`` lists
+every name, eager and lazy, and each of them imports.
 """
+import importlib
+from typing import TYPE_CHECKING, Any, Dict, List
+
 from .autograd import (
     EmulatedAutogradContext,
     map_with_parallel_backward,
@@ -11,6 +31,10 @@ from .autograd import (
 )
 from .checkpoint import is_checkpointing, is_recomputing
 from .parallel import parallel_apply, recompute_early
+
+if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
+    from .moe import MixtureOfExperts, NotEnoughExperts, run_experts
+    from .remote import ExpertServer, RemoteExpert, RemoteExpertError, RemoteTimeoutError
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -21,6 +45,37 @@ __all__ = [
     "recompute_early",
     "is_checkpointing",
     "is_recomputing",
+    "MixtureOfExperts",
+    "NotEnoughExperts",
+    "run_experts",
+    "ExpertServer",
+    "RemoteExpert",
+    "RemoteExpertError",
+    "RemoteTimeoutError",
 ]
 
 __version__ = "0.1.0"
+
+# name -> the subpackage that defines it, imported on first access.
+_LAZY: Dict[str, str] = {
+    "MixtureOfExperts": ".moe",
+    "NotEnoughExperts": ".moe",
+    "run_experts": ".moe",
+    "ExpertServer": ".remote",
+    "RemoteExpert": ".remote",
+    "RemoteExpertError": ".remote",
+    "RemoteTimeoutError": ".remote",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -30,7 +30,7 @@ from .node import Grads, IsolatedCall, attach
 from .policy import INLINE, LANES, Decision, Measure, choose
 from .rng import CallRng
 from .tls import bind, capture
-from .transforms import functorch_active, sequential_mode
+from .transforms import functorch_active, opaque_to_dynamo, sequential_mode
 
 __all__ = [
     "EmulatedAutogradContext", "run_isolated_forward", "run_isolated_backward",
@@ -220,7 +220,7 @@ def _as_tuple(value: Any) -> Tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-@torch._disable_dynamo  # type: ignore[attr-defined]
+@opaque_to_dynamo
 def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any],
                                mode: Optional[str] = None) -> Tuple[Tuple[Any, ...], ...]:
     """Calls ``func.apply(*args)`` once per element of ``args_per_call``, with

@@ -8,6 +8,12 @@ checkpoint.Recompute` node ahead of its :class:`~moe_autograd.checkpoint.
 Checkpoint`; skip portals use it to tie hidden tensors to a batch.
 
 Neither function copies data: the returned tensors are views of ``x``.
+
+The spellings follow the pipeline library (torchgpipe): ``fork``/``join`` and
+the autograd Functions behind them, :class:`Fork` and :class:`Join`, public so
+that code written against those primitives (``Fork.apply(x)``,
+``Join.apply(x, phony)``) runs unchanged; ``_Fork``/``_Join`` remain as
+aliases.
 """
 from typing import Any, Tuple
 
@@ -16,13 +22,13 @@ from torch import Tensor
 
 from .phony import get_phony
 
-__all__ = ["fork", "join"]
+__all__ = ["fork", "join", "Fork", "Join"]
 
 
 def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
     """Branches ``input`` into itself and a phony that depends on it."""
     if torch.is_grad_enabled() and input.requires_grad:
-        input, phony = _Fork.apply(input)
+        input, phony = Fork.apply(input)
     else:
         phony = get_phony(input.device, requires_grad=False)
     return input, phony
@@ -31,11 +37,13 @@ def fork(input: Tensor) -> Tuple[Tensor, Tensor]:
 def join(input: Tensor, phony: Tensor) -> Tensor:
     """Merges a phony into ``input`` so that ``input`` depends on it."""
     if torch.is_grad_enabled() and (input.requires_grad or phony.requires_grad):
-        input = _Join.apply(input, phony)
+        input = Join.apply(input, phony)
     return input
 
 
-class _Fork(torch.autograd.Function):
+class Fork(torch.autograd.Function):
+    """Branches: ``input`` unchanged, and a phony that depends on it."""
+
     @staticmethod
     def forward(ctx: Any, input: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
         phony = get_phony(input.device, requires_grad=False)
@@ -46,7 +54,9 @@ class _Fork(torch.autograd.Function):
         return grad_input
 
 
-class _Join(torch.autograd.Function):
+class Join(torch.autograd.Function):
+    """Merges: ``input`` unchanged, now depending on ``phony`` in backward."""
+
     @staticmethod
     def forward(ctx: Any, input: Tensor, phony: Tensor) -> Tensor:  # type: ignore[override]
         return input.detach()
@@ -54,3 +64,6 @@ class _Join(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_input: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
         return grad_input, None
+
+
+_Fork, _Join = Fork, Join  # the earlier private spellings

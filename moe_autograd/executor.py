@@ -23,13 +23,21 @@ Invariants:
 
 The pool is created on first use, sized by ``MOE_AUTOGRAD_WORKERS`` (default
 32), made of named daemon threads, and recreated in a child after ``fork``.
+
+At interpreter exit (an ``atexit`` hook) the pool stops its workers: idle ones
+at once, and a straggler still running a call (one a deadline masked) at its
+next Python bytecode boundary, by an asynchronous ``SystemExit`` raised in its
+thread; the hook waits at most :data:`EXIT_TIMEOUT_S`. Without it, a daemon
+worker inside a torch op when the interpreter finalises makes torch abort the
+process ("terminate called without an active exception", exit status 134).
 """
+import atexit
 import os
 import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, Set, TypeVar
 
 __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled"]
 
@@ -38,6 +46,12 @@ T = TypeVar("T")
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 _thread_role = threading.local()  # .worker is True on the pool's threads
 DEFAULT_WORKERS = 32
+EXIT_TIMEOUT_S = 2.0  # how long the exit hook waits for stragglers to stop
+
+
+class _StopAtExit(SystemExit):
+    """Raised asynchronously in a worker still running a call at interpreter
+    exit (a ``SystemExit``, so ``except Exception`` in an expert lets it pass)."""
 
 
 class CallCancelled(TimeoutError):
@@ -179,6 +193,7 @@ class WorkerPool:
         self._threads: List[threading.Thread] = []
         self._idle = 0  # workers blocked on (or about to block on) a ticket
         self._queued = 0  # tickets put and not yet taken
+        self._running: Set[int] = set()  # idents of workers inside a call
 
     @property
     def threads(self) -> List[threading.Thread]:
@@ -211,16 +226,20 @@ class WorkerPool:
 
     def _work(self) -> None:
         _thread_role.worker = True
+        me = threading.get_ident()
         while True:
             group = self._tickets.get()
             with self._lock:
                 self._idle -= 1
                 self._queued -= 1
+                if group is not None:
+                    self._running.add(me)
             if group is None:
                 return
             group._run_next()
             del group  # don't keep the last group (and its tensors) alive while idle
             with self._lock:
+                self._running.discard(me)
                 self._idle += 1
 
     def shutdown(self) -> None:
@@ -234,9 +253,44 @@ class WorkerPool:
             if thread is not threading.current_thread():
                 thread.join()
 
+    def _stop_at_exit(self, timeout: float) -> None:
+        """Stops the workers within ``timeout`` seconds if it can: idle ones
+        take a stop ticket, busy ones get one asynchronous :class:`_StopAtExit`
+        (delivered at their next bytecode boundary, e.g. between two torch
+        ops; a call blocked inside one long C call stops when it returns)."""
+        import ctypes
+
+        deadline = time.monotonic() + timeout
+        if not self._lock.acquire(timeout=timeout):
+            return
+        try:
+            threads, self._threads = self._threads, []
+            self._queued += len(threads)
+            busy = frozenset(self._running)
+        finally:
+            self._lock.release()
+        for _ in threads:
+            self._tickets.put(None)
+        raise_in = ctypes.pythonapi.PyThreadState_SetAsyncExc
+        raise_in.argtypes = (ctypes.c_ulong, ctypes.py_object)
+        for thread in threads:
+            if thread.ident in busy and thread.is_alive():
+                raise_in(thread.ident, _StopAtExit)  # once: never while it holds our lock
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
 
 _pool: Optional[WorkerPool] = None
 _pool_lock = threading.Lock()
+
+
+def _stop_pool_at_exit() -> None:
+    pool = _pool
+    if pool is not None:
+        pool._stop_at_exit(EXIT_TIMEOUT_S)
+
+
+atexit.register(_stop_pool_at_exit)
 
 
 def _workers_from_env() -> int:
@@ -274,16 +328,63 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def run_all(fns: Sequence[Callable[[], T]], what: str = "call") -> List[T]:
-    """Runs the calls concurrently, joins all of them, then raises the first
-    failure (``<what> <i> of <n>``) or returns the results in order."""
-    if len(fns) == 1:
+def _lane(fns: Sequence[Callable[[], T]], first: int, step: int,
+          results: List[Optional[T]], errors: List[Optional[BaseException]]) -> None:
+    """Runs calls ``first, first + step, ...`` in order on this thread;
+    Exceptions are recorded per call, anything else (Ctrl-C) stops the lane."""
+    for i in range(first, len(fns), step):
         try:
-            return [fns[0]()]
-        except BaseException as error:
-            error.add_note(f"{what} 0 of 1")
-            raise
+            results[i] = fns[i]()
+        except Exception as error:  # noqa: B902 - reported per call by run_all
+            errors[i] = error
+
+
+def run_all(fns: Sequence[Callable[[], T]], what: Optional[str] = "call", *,
+            lanes: Optional[int] = None) -> List[T]:
+    """Runs the calls, joins all of them, then raises the first failure
+    (noted ``<what> <i> of <n>`` unless ``what`` is None) or returns the
+    results in order.
+
+    By default every call may run on a worker of its own. With ``lanes`` the
+    calls run on at most that many threads (``1``: all on the caller, in
+    order).
+    """
+    n = len(fns)
+    if n == 1 or lanes == 1:
+        results: List[Optional[T]] = [None] * n
+        errors: List[Optional[BaseException]] = [None] * n
+        for i, fn in enumerate(fns):
+            try:
+                results[i] = fn()
+            except Exception as error:  # noqa: B902 - every call runs, then the first raises
+                errors[i] = error
+            except BaseException as error:
+                if what is not None:
+                    error.add_note(f"{what} {i} of {n}")
+                raise
+        _raise_first(errors, what)
+        return results  # type: ignore[return-value]
+    if lanes is not None and lanes < n:
+        results = [None] * n
+        errors = [None] * n
+        lane_group = get_pool().submit([
+            (lambda k=k: _lane(fns, k, lanes, results, errors))  # type: ignore[misc]
+            for k in range(lanes)
+        ])
+        lane_group.wait()
+        _raise_first(lane_group.errors, None)  # a lane's own failure: Ctrl-C
+        _raise_first(errors, what)
+        return results  # type: ignore[return-value]
     group = get_pool().submit(fns)
     group.wait()
-    group.raise_first_error(what)
+    _raise_first(group.errors, what)
     return group.results  # type: ignore[return-value]
+
+
+def _raise_first(errors: Sequence[Optional[BaseException]], what: Optional[str]) -> None:
+    for i, error in enumerate(errors):
+        if error is not None:
+            note = f"{what} {i} of {len(errors)}"
+            if what is not None and note not in getattr(error, "__notes__", ()):
+                error.add_note(note)
+            raise error

@@ -34,7 +34,7 @@ from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
 from .rng import CallRng
 from .tls import bind, capture
-from .transforms import check_parallel_mode, functorch_active, sequential_mode
+from .transforms import check_parallel_mode, functorch_active, opaque_to_dynamo, sequential_mode
 
 __all__ = ["parallel_apply", "recompute_early", "start_calls", "finish_calls", "ModuleCall"]
 
@@ -64,7 +64,7 @@ def _hook_recompute(tensor: Tensor, calls: List[ModuleCall]) -> Tensor:
 _CALLS_ATTR = "_moe_autograd_calls"
 
 
-@torch._disable_dynamo  # type: ignore[attr-defined]
+@opaque_to_dynamo
 def recompute_early(trigger: Tensor, outputs: Any) -> Tensor:
     """Starts recomputing the checkpointed calls that produced ``outputs`` as
     soon as backward reaches ``trigger`` (e.g. the output of the layer after
@@ -187,7 +187,7 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     return results
 
 
-@torch._disable_dynamo  # type: ignore[attr-defined]
+@opaque_to_dynamo
 def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
                    kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]] = None, *,
                    checkpoint: Union[bool, Sequence[bool]] = False,

@@ -15,17 +15,45 @@ the caller, exactly as a loop would (so results, tangents and errors are the
 loop's); layers that cannot run sequentially (the MoE layer's deadlines)
 raise a :class:`RuntimeError` naming the mode instead.
 
-Invariant: outside those modes :func:`sequential_mode` costs two attribute
-reads and never looks at the tensors.
+The entry points are also opaque to ``torch.compile``
+(:func:`opaque_to_dynamo`): dynamo would otherwise trace into the pool's
+threads and finalizers; it breaks the graph around them instead.
+
+Invariants: outside those modes :func:`sequential_mode` costs two attribute
+reads and never looks at the tensors; :func:`opaque_to_dynamo` never imports
+dynamo itself (seconds of import time), it only uses it once something else
+has.
 """
-from typing import Any, Iterator, Optional
+import functools
+import sys
+from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
 
 import torch
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["sequential_mode", "check_parallel_mode", "functorch_active"]
+__all__ = ["sequential_mode", "check_parallel_mode", "functorch_active", "opaque_to_dynamo"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_disabled: Dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def opaque_to_dynamo(fn: F) -> F:
+    """``fn`` that ``torch.compile`` calls as an opaque function (a graph
+    break), like ``torch._dynamo.disable(fn)``, without importing dynamo until
+    it is loaded anyway: while ``torch._dynamo`` is not imported nothing can
+    be compiling, and ``fn`` runs as it is."""
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        disabled = _disabled.get(fn)
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            import torch._dynamo
+            disabled = _disabled[fn] = torch._dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+    return inner  # type: ignore[return-value]
 
 
 def functorch_active() -> bool:

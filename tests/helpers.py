@@ -72,3 +72,53 @@ class BackwardBarrier(Function):
     def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
         ctx.barrier.wait()
         return g, None
+
+
+# -- small float64 experts and a plain (no moe_autograd) MoE, for the tests of
+# -- parameters as node inputs, checkpoint frames, torch.compile and DDP --------
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+class MLP(nn.Module):
+    """``fc2(tanh(fc1(x)))`` in float64, initialised from ``seed``."""
+
+    def __init__(self, d_in: int = 4, hidden: int = 8, d_out: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, hidden, dtype=torch.float64)
+        self.fc2 = nn.Linear(hidden, d_out, dtype=torch.float64)
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, dtype=p.dtype, generator=g) * 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def plain_moe(gate: nn.Module, experts: Sequence[nn.Module], k: int, x: Tensor
+              ) -> "tuple[Tensor, Tensor]":
+    """What ``MixtureOfExperts(experts, ..., k=k)`` computes when every expert
+    answers, as a plain loop over the experts: ``y, aux_loss``."""
+    lead = x.shape[:-1]
+    flat = x.reshape(-1, x.shape[-1])
+    logits = gate(flat)
+    top_logits, top_experts = logits.topk(k, dim=-1)
+    weights = torch.softmax(top_logits, dim=-1)
+    y = None
+    for e, expert in enumerate(experts):
+        token, slot = (top_experts == e).nonzero(as_tuple=True)
+        if len(token) == 0:
+            continue
+        out = expert(flat.index_select(0, token))
+        out = out * weights[token, slot].to(out.dtype).unsqueeze(-1)
+        if y is None:
+            y = out.new_zeros((flat.shape[0], *out.shape[1:]))
+        y = y.index_add(0, token, out)
+    assert y is not None
+    num_experts = len(experts)
+    probs = torch.softmax(logits, dim=-1).mean(dim=0)
+    counts = torch.bincount(top_experts.reshape(-1), minlength=num_experts)
+    aux = num_experts * (counts.to(probs.dtype) / top_experts.numel() * probs).sum()
+    return y.reshape(*lead, *y.shape[1:]), aux

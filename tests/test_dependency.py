@@ -109,3 +109,32 @@ def test_fork_join_cuda():
     assert phony.is_cuda
     join(y, phony).sum().backward()
     assert torch.equal(x.grad, torch.ones(2, device="cuda"))
+
+
+def test_public_fork_join_functions_as_in_the_pipeline_library():
+    """torchgpipe code calls the Functions directly: Fork.apply / Join.apply."""
+    from moe_autograd import dependency
+    from moe_autograd.dependency import Fork, Join
+
+    assert dependency._Fork is Fork and dependency._Join is Join  # old spellings kept
+    assert {"Fork", "Join", "fork", "join"} <= set(dependency.__all__)
+    timeline = []
+
+    class Log(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, name, x):
+            ctx.name = name
+            return x.detach()
+
+        @staticmethod
+        def backward(ctx, grad):
+            timeline.append(ctx.name)
+            return None, grad
+
+    a = torch.rand(1, requires_grad=True)
+    b = torch.rand(1, requires_grad=True)
+    fa, phony = Fork.apply(Log.apply("a", a))
+    joined = Join.apply(Log.apply("b", b), Log.apply("hung", phony))
+    torch.cat((fa, joined)).sum().backward()
+    assert timeline.index("hung") < timeline.index("a")
+    assert torch.equal(a.grad, torch.ones(1)) and torch.equal(b.grad, torch.ones(1))

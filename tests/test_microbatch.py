@@ -100,3 +100,64 @@ def test_repr():
 def test_get_device_cuda():
     b = Batch((1, torch.zeros(1, device="cuda")))
     assert b.get_device().type == "cuda"
+
+
+# -- the pipeline library's (torchgpipe's) spellings ---------------------------
+def test_torchgpipe_attribute_spellings():
+    x, y = torch.tensor(1.0), torch.tensor(2.0)
+    b = Batch((x, y))
+    assert b.tensors == b.values == (x, y)
+    assert b.value == (x, y) and b.tensor_or_tensors == (x, y)
+    a = Batch(x)
+    assert a.value is x and a.tensor_or_tensors is x
+    a.value = (x, y)  # torchgpipe assigns .value
+    assert not a.atomic and a.values == (x, y)
+    a.value = y
+    assert a.atomic and a.tensor is y
+
+
+def test_error_texts_start_with_torchgpipes():
+    with pytest.raises(AttributeError, match="^not atomic batch"):
+        Batch((torch.zeros(1),)).tensor
+    with pytest.raises(AttributeError, match="^batch is atomic"):
+        Batch(torch.zeros(1)).tensors
+    with pytest.raises(AttributeError, match="^batch is atomic"):
+        Batch(torch.zeros(1)).values
+    with pytest.raises(IndexError, match="^atomic batch allows index 0 only"):
+        Batch(torch.zeros(1))[1]
+
+
+def test_atomic_slice_all_replaces_the_tensor():
+    b = Batch(torch.zeros(2))
+    y = torch.ones(2)
+    b[:] = (y,)
+    assert b.atomic and b.tensor is y
+    with pytest.raises(IndexError, match="^atomic batch cannot be replaced with multiple tensors"):
+        b[:] = (y, y)
+    with pytest.raises(TypeError):
+        b[:] = ("not a tensor",)
+
+
+def test_call_passes_the_tuple_when_only_that_fits():
+    x, y = torch.tensor(1.0), torch.tensor(2.0)
+    b = Batch((x, y))
+    # torchgpipe's convention: one argument, the tuple
+    assert b.call(lambda xs: xs[0] + xs[1]).tensor.item() == 3.0
+    assert b.call(torch.stack, unpack=False).tensor.tolist() == [1.0, 2.0]
+
+    class Sum(torch.nn.Module):
+        def forward(self, inputs):
+            return inputs[0] + inputs[1]
+
+    assert b.call(Sum()).tensor.item() == 3.0
+    # this package's convention (and torch.distributed.pipeline's): unpacked
+    assert b.call(lambda a, c: a - c).tensor.item() == -1.0
+    assert b.call(lambda *xs: xs).values == (x, y)
+
+
+def test_call_ambiguous_one_value_unpacks_unless_told():
+    x = torch.tensor(1.0)
+    b = Batch((x,))
+    assert b.call(lambda v: v).tensor is x  # fits both: unpacked
+    assert b.call(lambda v: v, unpack=False).values == (x,)
+    assert b.call(lambda v: v, unpack=True).tensor is x

@@ -32,13 +32,17 @@ Groups
 ``latency``, ``overhead``, ``compute``
     :mod:`.core`: latency-bound calls against the 2L limit, per-call overhead,
     compute-bound experts.
-``checkpoint``, ``recompute-early``
+``checkpoint``, ``recompute-early``, ``rng``
     :mod:`.checkpoint`: memory kept for backward and time of checkpointed
-    calls; early recomputation.
+    calls (with and without dropout); early recomputation; the cost of the
+    per-call random stream.
 ``remote``
     :mod:`.remote`: remote experts against ``torch.distributed.autograd``.
 ``moe``
     :mod:`moe_autograd.moe.bench`: a training step with a straggling expert.
+``moe-scale``
+    :mod:`.moe_scale`: the MoE layer with 8, 64 and 256 experts against a
+    Mixtral-style loop block.
 
 ``remote`` and ``moe`` are imported when they run (they need more of torch and
 of the package); their ``run(quick)`` returns dicts with keys ``name,
@@ -50,7 +54,7 @@ import sys
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .checkpoint import bench_checkpoint, bench_recompute_early
+from .checkpoint import bench_checkpoint, bench_recompute_early, bench_rng
 from .core import bench_compute, bench_latency, bench_overhead
 from .measure import Plan, Row, row
 from .report import HEADERS, format_markdown, format_text, machine_info
@@ -101,8 +105,10 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "compute": bench_compute,
     "checkpoint": bench_checkpoint,
     "recompute-early": bench_recompute_early,
+    "rng": bench_rng,
     "remote": _external("remote", f"{__name__}.remote"),
     "moe": _external("moe", "moe_autograd.moe.bench"),
+    "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
 }
 
 NOTES: Dict[str, str] = {
@@ -135,6 +141,15 @@ NOTES: Dict[str, str] = {
                        "of hiding it; only each side's idle gaps (Python glue, small kernels, "
                        "hand-offs) are won. Idle cores or an accelerator stream would let it "
                        "approach the bound.",
+    "rng": "Every call draws from its own random stream (moe_autograd.rng): forked on the "
+           "caller (one 64-bit draw), activated around the call (a dispatch-key switch). Ops "
+           "that draw nothing never leave C++; each random op (one per dropout layer) makes "
+           "one Python hop that hands it the stream's generator. The direct rows show that "
+           "cost per call without the runtime around it.",
+    "moe-scale": "CPU-bound experts on 2 cores: the loop block already keeps both cores busy "
+                 "inside each expert's kernels, so the best the layer can do is cost nothing "
+                 "extra (auto mode runs such calls inline or in lanes, see moe_autograd.policy); "
+                 "the 256-expert row is dominated by per-call costs (32 tokens per expert).",
     "remote": "Loopback RPC on this machine: every call costs CPU on both ends, so with few "
               "cores the L = 5 ms rows are partly CPU-bound; the L = 50 ms rows show the "
               "latency-bound behaviour.",

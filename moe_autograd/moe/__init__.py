@@ -1,5 +1,16 @@
-"""The mixture-of-experts layer, built on the parallel runtime."""
+"""The mixture-of-experts layer, built on the parallel runtime.
+
+:class:`MixtureOfExperts` is the fault-tolerant top-k layer;
+:func:`run_experts` runs a list of experts on their routed tokens (one
+dispatch, parallel calls, one combine) for models that route themselves;
+:mod:`.mixtral` fits transformers' Mixtral-style blocks to both.
+"""
+from .dispatch import run_experts
+from .gating import load_balancing_loss, mixtral_load_balancing_loss
 from .layer import MixtureOfExperts, NotEnoughExperts
+from .mixtral import MixtralExpert, from_mixtral, register_experts_implementation
 from .stats import ExpertStats
 
-__all__ = ["MixtureOfExperts", "NotEnoughExperts", "ExpertStats"]
+__all__ = ["MixtureOfExperts", "NotEnoughExperts", "ExpertStats", "run_experts",
+           "load_balancing_loss", "mixtral_load_balancing_loss", "MixtralExpert",
+           "from_mixtral", "register_experts_implementation"]

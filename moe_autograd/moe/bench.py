@@ -43,7 +43,10 @@ def run(quick: bool = False) -> List[Dict[str, object]]:
     straggler.stall = 1.0
     # Route every token to the straggler too, so each step meets it.
     with torch.no_grad():
-        slow.gate.bias[0] = fast.gate.bias[0] = 10.0
+        for layer in (slow, fast):
+            gate = layer.gate
+            assert isinstance(gate, nn.Linear) and gate.bias is not None
+            gate.bias[0] = 10.0
     x = torch.randn(tokens, width)
     backward_s: List[float] = []
     step_s: List[float] = []

@@ -11,16 +11,31 @@ keeps training when experts are slow, failing or return garbage:
   or, with ``allow_zero_outputs``, outputs exactly zero;
 * backward: a call whose backward raises, misses ``backward_timeout`` or
   (with ``detect_anomalies``) yields non-finite gradients is a constant: no
-  gradient reaches its input or parameters (held back until the call is
-  accepted), while the gate still learns through the weights. A token left
-  with fewer than ``backward_k_min`` surviving backwards raises.
+  gradient reaches its input or parameters (they are inputs of the parallel
+  node, which returns None for the call), while the gate still learns
+  through the weights. A token left with fewer than ``backward_k_min``
+  surviving backwards raises.
+
+Fitting real models (all optional; the defaults keep the original layer):
+``gate_bias=False`` (Mixtral's router has no bias), ``router_dtype`` (routing
+in e.g. float32 whatever the input dtype), ``aux_loss="mixtral"``
+(transformers' ``load_balancing_loss_func`` convention) with a ``token_mask``,
+``return_router_logits`` / ``return_aux_loss`` (what the forward returns),
+``gate`` (any router module, e.g. a model's own), and
+:meth:`MixtureOfExperts.from_mixtral` to build the layer from a transformers
+Mixtral block. A state dict whose experts are stored stacked
+(``experts.<name>`` of shape ``[num_experts, ...]``, transformers 5.x) loads
+into per-expert modules with a parameter ``<name>``.
+
+The combine adds all surviving answers with one ``index_add``
+(:mod:`.dispatch`), so it costs O(tokens x k x d), not O(experts x tokens x d).
 
 Data flow is one way: this module uses the runtime
 (:func:`moe_autograd.parallel.start_calls` / ``finish_calls``); nothing in the
 runtime knows about gates or tokens.
 """
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -28,11 +43,15 @@ from torch import Tensor, nn
 from ..node import BackwardPolicy
 from ..executor import CallCancelled, TaskGroup
 from ..parallel import ModuleCall, finish_calls, start_calls
-from .gating import combine_weights, load_balancing_loss, route
-from .quorum import gather
+from ..transforms import opaque_to_dynamo
+from .dispatch import combine, dispatch
+from .gating import combine_weights, load_balancing_loss, mixtral_load_balancing_loss, route
+from .quorum import check_timeout, gather
 from .stats import StatsBook
 
 __all__ = ["MixtureOfExperts", "NotEnoughExperts"]
+
+AUX_LOSSES = ("switch", "mixtral")
 
 
 class NotEnoughExperts(RuntimeError):
@@ -45,12 +64,53 @@ def _describe(errors: Sequence[Tuple[int, BaseException]]) -> str:
     return shown + more
 
 
+def _load_stacked_experts(module: nn.Module, state_dict: Dict[str, Any], prefix: str,
+                          local_metadata: Any, strict: bool, missing_keys: List[str],
+                          unexpected_keys: List[str], error_msgs: List[str]) -> None:
+    """Load-state-dict pre-hook: ``experts.<name>`` of shape ``[E, ...]`` (the
+    stacked layout of transformers 5.x MoE blocks) becomes ``experts.<e>.<name>``
+    for every expert ``e``, so such a checkpoint loads into per-expert modules."""
+    head = prefix + "experts."
+    experts = module.experts
+    assert isinstance(experts, nn.ModuleList)
+    for key in [key for key in state_dict if key.startswith(head)]:
+        name = key[len(head):]
+        value = state_dict[key]
+        if "." in name or name.isdigit() or not isinstance(value, Tensor) \
+                or value.dim() == 0 or value.shape[0] != len(experts):
+            continue
+        del state_dict[key]
+        for e, part in enumerate(value.unbind(0)):
+            state_dict[f"{head}{e}.{name}"] = part
+
+
 class MixtureOfExperts(nn.Module):
     """Top-k mixture of experts; ``y, aux_loss = moe(x)``.
 
     ``x`` is ``[..., in_features]``; ``y`` has ``x``'s leading dimensions and
     the experts' output dimensions. ``aux_loss`` is the differentiable
     load-balancing loss. See the module docstring for the failure semantics.
+
+    Options for real models (defaults keep the behaviour above):
+
+    * ``gate_bias``: whether the default ``nn.Linear`` gate has a bias
+      (Mixtral's router has none);
+    * ``router_dtype``: the dtype the logits are cast to before noise, top-k,
+      softmax and the aux loss (Mixtral: ``torch.float32``). The gate itself
+      runs in its parameters' dtype (the input is cast to it if they differ);
+    * ``aux_loss``: ``"switch"`` (1 for a uniform load) or ``"mixtral"``
+      (transformers' ``load_balancing_loss_func``: ``k`` times larger; pool
+      several layers with :func:`~moe_autograd.moe.mixtral_load_balancing_loss`
+      on the returned router logits). ``forward(x, token_mask)`` drops the
+      tokens where ``token_mask`` (``x.shape[:-1]``) is 0 from the aux loss;
+      they are still routed, as in transformers;
+    * ``return_aux_loss`` / ``return_router_logits``: the forward returns
+      ``y``, then ``aux_loss`` if asked (default), then the router logits
+      (``[tokens, E]``, in ``router_dtype``, those the routing used) if asked;
+      a lone ``y`` is returned bare (as a transformers 5.x block returns);
+    * ``gate``: a router module used instead of the ``nn.Linear`` (its output,
+      or the first element of a tuple output as transformers' routers return,
+      is the ``[tokens, E]`` logits).
     """
 
     def __init__(self, experts: Sequence[nn.Module], in_features: int, k: int = 2, *,
@@ -58,7 +118,10 @@ class MixtureOfExperts(nn.Module):
                  timeout_after_k_min: Optional[float] = None, backward_k_min: int = 1,
                  backward_timeout: Optional[float] = None, allow_zero_outputs: bool = False,
                  detect_anomalies: bool = False, checkpoint: bool = False,
-                 gate_noise: float = 0.0, out_features: Optional[int] = None) -> None:
+                 gate_noise: float = 0.0, out_features: Optional[int] = None,
+                 gate_bias: bool = True, router_dtype: Optional[torch.dtype] = None,
+                 aux_loss: str = "switch", return_aux_loss: bool = True,
+                 return_router_logits: bool = False, gate: Optional[nn.Module] = None) -> None:
         super().__init__()
         if not experts:
             raise ValueError("MixtureOfExperts needs at least one expert")
@@ -68,13 +131,20 @@ class MixtureOfExperts(nn.Module):
             raise ValueError(f"k_min must be in [0, k={k}], got {k_min}")
         if not 0 <= backward_k_min <= k:
             raise ValueError(f"backward_k_min must be in [0, k={k}], got {backward_k_min}")
-        for name, value in (("forward_timeout", forward_timeout),
-                            ("timeout_after_k_min", timeout_after_k_min),
-                            ("backward_timeout", backward_timeout)):
-            if value is not None and value < 0:
-                raise ValueError(f"{name} must be non-negative, got {value}")
+        # None or math.inf: no limit; nan, 0, < 0 raise; huge values are clamped.
+        forward_timeout = check_timeout("forward_timeout", forward_timeout)
+        timeout_after_k_min = check_timeout("timeout_after_k_min", timeout_after_k_min)
+        backward_timeout = check_timeout("backward_timeout", backward_timeout)
+        if aux_loss not in AUX_LOSSES:
+            raise ValueError(f"aux_loss must be one of {AUX_LOSSES}, got {aux_loss!r}")
+        if router_dtype is not None and not router_dtype.is_floating_point:
+            raise ValueError(f"router_dtype must be a floating dtype, got {router_dtype}")
         self.experts = nn.ModuleList(experts)
-        self.gate = nn.Linear(in_features, len(experts))
+        self.gate: nn.Module = (nn.Linear(in_features, len(experts), bias=gate_bias)
+                                if gate is None else gate)
+        self.router_dtype, self.aux_loss = router_dtype, aux_loss
+        self.return_aux_loss, self.return_router_logits = return_aux_loss, return_router_logits
+        self.register_load_state_dict_pre_hook(_load_stacked_experts)
         self.in_features, self.k, self.k_min = in_features, k, k_min
         self.forward_timeout, self.timeout_after_k_min = forward_timeout, timeout_after_k_min
         self.backward_k_min, self.backward_timeout = backward_k_min, backward_timeout
@@ -97,25 +167,30 @@ class MixtureOfExperts(nn.Module):
         if self.detect_anomalies and not bool(torch.isfinite(outputs[0]).all()):
             raise FloatingPointError(f"{call.name} returned non-finite values")
 
-    @torch._disable_dynamo  # type: ignore[attr-defined]  # opaque to torch.compile
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+    @opaque_to_dynamo
+    def forward(self, x: Tensor, token_mask: Optional[Tensor] = None
+                ) -> Union[Tensor, Tuple[Tensor, ...]]:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"MixtureOfExperts expects [..., {self.in_features}], "
                              f"got {list(x.shape)}")
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
         num_tokens = flat.shape[0]
-        logits = self.gate(flat)
+        if token_mask is not None and token_mask.numel() != num_tokens:
+            raise ValueError(f"MixtureOfExperts: token_mask has {token_mask.numel()} entries "
+                             f"for {num_tokens} tokens (shape {list(lead)})")
+        logits = self._router_logits(flat)
         if self.training and self.gate_noise > 0:
             logits = logits + self.gate_noise * torch.randn_like(logits)
         routing = route(logits, self.k)
-        aux_loss = load_balancing_loss(logits, routing.top_experts)
-
+        aux_loss = self._aux_loss(logits, routing.top_experts, token_mask)
         active = [e for e, tokens in enumerate(routing.tokens) if len(tokens)]
+        inputs = dispatch(flat, [routing.tokens[e] for e in active])
+
         sizes = [len(routing.tokens[e]) for e in active]
         calls, group = start_calls(
             [self.experts[e] for e in active],
-            [flat.index_select(0, routing.tokens[e]) for e in active],
+            inputs,
             checkpoint=self.checkpoint,
             check_finite_grads=self.detect_anomalies, name="MixtureOfExperts",
             labels=[f"expert {e}" for e in active],
@@ -149,18 +224,59 @@ class MixtureOfExperts(nn.Module):
             self.out_shape = tuple(outputs[0].shape[1:])
         out_shape = self.out_shape or (self.in_features,)
         dtype = outputs[0].dtype if outputs else flat.dtype
-        y = flat.new_zeros((num_tokens, *out_shape), dtype=dtype)
-        if not outputs and weights.requires_grad:
-            # No expert answered (allow_zero_outputs): keep the zeros in the
-            # graph, so that ``loss.backward()`` still works (zero gradients).
-            y = y + weights.sum().to(dtype) * 0
         for (e, _), out in zip(survivors, outputs):
             if tuple(out.shape[1:]) != out_shape:
                 raise ValueError(f"MixtureOfExperts: expert {e} returned rows of shape "
                                  f"{list(out.shape[1:])}, others {list(out_shape)}")
-            w = weights[routing.tokens[e], routing.slots[e]].to(dtype)
-            y = y.index_add(0, routing.tokens[e], out * w.view(-1, *([1] * len(out_shape))))
-        return y.reshape(*lead, *out_shape), aux_loss
+        if outputs:
+            # One index_add over every surviving answer: O(tokens * k * d).
+            index = torch.cat([routing.tokens[e] for e, _ in survivors])
+            slots = torch.cat([routing.slots[e] for e, _ in survivors])
+            y = combine(outputs, [index], weights[index, slots], num_tokens, dtype)
+        else:
+            y = flat.new_zeros((num_tokens, *out_shape), dtype=dtype)
+            if weights.requires_grad:
+                # No expert answered (allow_zero_outputs): keep the zeros in the
+                # graph, so that ``loss.backward()`` still works (zero gradients).
+                y = y + weights.sum().to(dtype) * 0
+        results: List[Tensor] = [y.reshape(*lead, *out_shape)]
+        if aux_loss is not None:
+            results.append(aux_loss)
+        if self.return_router_logits:
+            results.append(logits)
+        return results[0] if len(results) == 1 else tuple(results)
+
+    def _router_logits(self, flat: Tensor) -> Tensor:
+        """The gate's ``[tokens, E]`` logits, in ``router_dtype`` if set."""
+        weight = getattr(self.gate, "weight", None)
+        if isinstance(weight, Tensor) and weight.is_floating_point() and weight.dtype != flat.dtype:
+            flat = flat.to(weight.dtype)  # the gate runs in its own dtype
+        out = self.gate(flat)
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+        if not isinstance(logits, Tensor) or logits.shape != (flat.shape[0], len(self.experts)):
+            got = list(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(f"MixtureOfExperts: the gate must return [{flat.shape[0]}, "
+                             f"{len(self.experts)}] logits, got {got}")
+        if self.router_dtype is not None and logits.dtype != self.router_dtype:
+            logits = logits.to(self.router_dtype)
+        return logits
+
+    def _aux_loss(self, logits: Tensor, top_experts: Tensor,
+                  token_mask: Optional[Tensor]) -> Optional[Tensor]:
+        if not self.return_aux_loss:
+            return None
+        if self.aux_loss == "mixtral":
+            return mixtral_load_balancing_loss(logits, len(self.experts), self.k, token_mask)
+        return load_balancing_loss(logits, top_experts, token_mask)
+
+    @classmethod
+    def from_mixtral(cls, block: nn.Module, **options: Any) -> "MixtureOfExperts":
+        """The layer equivalent to a transformers (5.x) ``MixtralSparseMoeBlock``
+        (same routing, experts and outputs), with copies of its weights; see
+        :func:`moe_autograd.moe.mixtral.from_mixtral` for the defaults
+        ``options`` override."""
+        from .mixtral import from_mixtral
+        return from_mixtral(block, **options)
 
     def _record_forward(self, active: List[int], group: TaskGroup[Any], ok: List[bool],
                         started: float) -> None:

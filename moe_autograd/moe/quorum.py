@@ -9,11 +9,19 @@ quorum (``k_min``)           every token has ``k_min`` answering experts
                              for the remaining calls
 ==========================  ===============================================
 
+Each limit is ``None`` or ``math.inf`` (no limit) or a positive number of
+seconds; :func:`check_timeout` turns what a user passes into that form
+(``ValueError`` naming the argument for ``nan``, zero or negative values) and
+clamps huge values to :data:`MAX_TIMEOUT_S`, what ``threading`` waits accept.
+
 Invariants: the wait never runs an expert on the caller's thread while a
 deadline is set (a straggler cannot hold the caller), it returns by the
 deadline however long a call runs, and calls that had not started by then are
 cancelled. A call that finishes late is simply never looked at again.
 """
+import math
+import numbers
+import threading
 import time
 from typing import Any, List, Optional, Sequence
 
@@ -22,13 +30,33 @@ from torch import Tensor
 
 from ..executor import TaskGroup
 
-__all__ = ["gather"]
+__all__ = ["gather", "check_timeout", "MAX_TIMEOUT_S"]
+
+MAX_TIMEOUT_S = float(threading.TIMEOUT_MAX) / 2  # a deadline "now + this" still waits
+
+
+def check_timeout(name: str, value: Any) -> Optional[float]:
+    """``None``/``math.inf`` -> ``None`` (no limit); positive seconds are kept,
+    clamped to :data:`MAX_TIMEOUT_S`; ``nan``, zero, negative values raise
+    ``ValueError`` and non-numbers ``TypeError``, naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None, math.inf or a positive number of seconds, "
+                        f"got {type(value).__name__} {value!r:.40}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be None, math.inf or a positive number of seconds, "
+                         f"got {value!r}")
+    return None if math.isinf(seconds) else min(seconds, MAX_TIMEOUT_S)
 
 
 def gather(group: TaskGroup[Any], call_tokens: Sequence[Tensor], num_tokens: int, k_min: int,
            forward_timeout: Optional[float], timeout_after_k_min: Optional[float]) -> List[bool]:
     """Waits as the table above says; returns which calls succeeded."""
     n = len(call_tokens)
+    forward_timeout = check_timeout("forward_timeout", forward_timeout)
+    timeout_after_k_min = check_timeout("timeout_after_k_min", timeout_after_k_min)
     if forward_timeout is None and timeout_after_k_min is None:
         group.wait()
         return [group.succeeded(i) for i in range(n)]

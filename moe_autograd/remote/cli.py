@@ -24,6 +24,9 @@ from typing import Any, List, Mapping, Optional, Sequence
 
 __all__ = ["main", "load_object", "build_parser"]
 
+MiB = 1 << 20
+NON_FINITE_POLICIES = ("skip", "raise")  # as ExpertServer's (not imported: keeps --help light)
+
 
 def load_object(path: str) -> Any:
     """Imports ``package.module:attribute``."""
@@ -34,6 +37,10 @@ def load_object(path: str) -> Any:
     for part in attribute.split("."):
         obj = getattr(obj, part)
     return obj
+
+
+def _bytes_or_none(text: str) -> Optional[int]:
+    return None if text.lower() == "none" else int(text)
 
 
 def _env_int(name: str) -> Optional[int]:
@@ -59,8 +66,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --optimizer: step only when clients call RemoteExpert.step()")
     p.add_argument("--state-ttl", type=float, default=60.0)
     p.add_argument("--max-states", type=int, default=1024)
+    p.add_argument("--max-states-per-client", type=int, default=None,
+                   help="states one client may hold (default: --max-states)")
+    p.add_argument("--max-state-bytes", type=_bytes_or_none, default=1024 * MiB,
+                   help="bytes all states may hold, or 'none' (default: 1 GiB)")
+    p.add_argument("--max-request-bytes", type=_bytes_or_none, default=256 * MiB,
+                   help="tensor bytes of one request once materialised, or 'none' "
+                        "(default: 256 MiB)")
+    p.add_argument("--non-finite-grads", choices=NON_FINITE_POLICIES, default="skip",
+                   help="an optimizer step with NaN/inf gradients is skipped (reported) or "
+                        "fails the request")
     p.add_argument("--num-worker-threads", type=int, default=16)
-    p.add_argument("--rpc-timeout", type=float, default=60.0)
+    p.add_argument("--rpc-timeout", type=float, default=60.0,
+                   help="this worker's RPC timeout in seconds (clients set their own)")
     p.add_argument("--transports", metavar="LIST",
                    help="TensorPipe transports, e.g. 'uv' (default: TensorPipe's choice; its "
                         "same-host 'shm' transport busy-polls, so prefer 'uv' when server "
@@ -109,7 +127,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout, **extra)
     server = ExpertServer(experts, backward=args.backward, optimizer=optimizer,
                           auto_step=not args.manual_step, state_ttl=args.state_ttl,
-                          max_states=args.max_states)  # before init_rpc: no request finds it missing
+                          max_states=args.max_states,
+                          max_states_per_client=args.max_states_per_client,
+                          max_state_bytes=args.max_state_bytes,
+                          max_request_bytes=args.max_request_bytes,
+                          non_finite_grads=args.non_finite_grads,
+                          )  # before init_rpc: no request finds it missing
     rpc.init_rpc(name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options)
     stop, world_done = threading.Event(), threading.Event()
     if threading.current_thread() is threading.main_thread():  # (a signal during init_rpc kills)

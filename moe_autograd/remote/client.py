@@ -8,7 +8,9 @@ passes) and inside :func:`moe_autograd.map_with_parallel_backward`.
 
 Per call, the client draws a seed with :meth:`CallRng.fork` (inside a
 checkpointed parent, from the parent's stream, so the recomputation sends the
-same seed) and a unique call id. What it keeps until backward depends on the
+same seed) and a call id of 128 random bits (:func:`secrets.token_hex`: other
+clients cannot guess it), sent with this worker's name, which the server
+records as the call's owner. What it keeps until backward depends on the
 server's strategy, which the forward reply names:
 
 * ``stateless``: the inputs (saved for backward, version-checked) and seed;
@@ -23,6 +25,16 @@ Invariants:
   a missed ``forward_timeout``/``backward_timeout`` raises
   :class:`RemoteTimeoutError` (a :class:`TimeoutError`) within the deadline
   plus a small grace period; a late reply is dropped.
+* Timeouts are ``None`` or ``math.inf`` (no deadline of the call's own: the
+  transport's timeout, ``rpc_timeout``, still ends it) or positive seconds
+  (clamped to what the transport supports); anything else raises
+  ``ValueError``/``TypeError`` naming the argument when it is set.
+* A caller waiting on a call (forward, backward, control) gets Ctrl-C within
+  the transport's wait slice (0.1 s); an interrupted stateful forward releases
+  its state on the server like a timed-out one.
+* An optimizer step the server skipped for non-finite gradients (see
+  :class:`ExpertServer`'s ``non_finite_grads``) warns (``RuntimeWarning``)
+  and counts in :attr:`RemoteExpert.skipped_steps`.
 * Tensors travel as CPU tensors; outputs come back on the device of the first
   tensor argument, input gradients on each input's device.
 * Parameter gradients live on the server (``.grad`` of the hosted module):
@@ -32,11 +44,11 @@ Invariants:
   server step after every backward (``ExpertServer(..., auto_step=True)``).
 """
 import collections
-import itertools
 import os
+import secrets
 import threading
 import time
-import uuid
+import warnings
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -48,13 +60,11 @@ from ..rng import CallRng
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .server import OPS, serve_release
 from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
-                        get_transport)
+                        check_timeout, get_transport)
 
 __all__ = ["RemoteExpert", "RemoteCall", "flush_releases"]
 
 GRACE_S = 0.2  # how long past a deadline we wait for the transport's own timeout
-_ids = itertools.count()
-_prefix = uuid.uuid4().hex[:12]
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
 
 
@@ -66,7 +76,7 @@ class _Releaser:
     """
 
     def __init__(self, interval: float = 0.05) -> None:
-        self.pending: Deque[Tuple[Transport, str, str]] = collections.deque()
+        self.pending: Deque[Tuple[Transport, str, str, str]] = collections.deque()  # +owner, id
         self.interval = interval
         self._started = False
         self._lock = threading.Lock()
@@ -84,16 +94,20 @@ class _Releaser:
             self.flush()
 
     def flush(self) -> int:
-        batches: Dict[Tuple[int, str], Tuple[Transport, List[str]]] = {}
+        batches: Dict[Tuple[int, str, str], Tuple[Transport, List[str]]] = {}
         while self.pending:
-            transport, worker, call_id = self.pending.popleft()
-            batches.setdefault((id(transport), worker), (transport, []))[1].append(call_id)
-        for (_, worker), (transport, ids) in batches.items():
+            transport, worker, owner, call_id = self.pending.popleft()
+            batches.setdefault((id(transport), worker, owner), (transport, []))[1].append(call_id)
+        for (_, worker, owner), (transport, ids) in batches.items():
             try:
-                transport.call(worker, serve_release, (ids,), 30.0)  # fire and forget
+                transport.call(worker, serve_release, (owner, ids), 30.0)  # fire and forget
             except Exception:  # noqa: BLE001 - peer gone or transport shut down
                 pass
         return sum(len(ids) for _, ids in batches.values())
+
+    def add(self, transport: Transport, worker: str, owner: str, call_id: str) -> None:
+        self.start()
+        self.pending.append((transport, worker, owner, call_id))
 
 
 _releaser = _Releaser()
@@ -115,13 +129,15 @@ def flush_releases() -> int:
 class _Call:
     """The record of one remote call, kept by the autograd node."""
 
-    __slots__ = ("expert", "seed", "call_id", "single", "mode", "flags", "finalizer",
+    __slots__ = ("expert", "seed", "call_id", "owner", "single", "mode", "flags", "finalizer",
                  "__weakref__")
 
     def __init__(self, expert: "RemoteExpert", seed: int) -> None:
         self.expert, self.seed = expert, seed
-        self.call_id = f"{_prefix}-{os.getpid()}-{next(_ids)}"  # unique across forks too
-        self.single, self.mode, self.flags = True, "none", []  # type: ignore[var-annotated]
+        self.call_id = secrets.token_hex(16)  # 128 random bits: unguessable, unique across forks
+        self.owner = ""  # this worker's name, set when the forward is sent
+        self.single, self.mode = True, "none"
+        self.flags: List[bool] = []
         self.finalizer: Optional[weakref.finalize] = None
 
     def arm(self) -> None:
@@ -129,7 +145,7 @@ class _Call:
         _releaser.start()
         e = self.expert
         self.finalizer = weakref.finalize(self, _releaser.pending.append,
-                                          (e.transport, e.worker, self.call_id))
+                                          (e.transport, e.worker, self.owner, self.call_id))
         self.finalizer.atexit = False
 
 
@@ -183,7 +199,16 @@ class RemoteExpert(nn.Module):
     ``expert(*args)`` sends the arguments (tensors, or picklable values) and
     returns what the expert returned (a tensor or a tuple of tensors), wired
     into autograd. ``forward_timeout``/``backward_timeout`` (seconds) bound each
-    pass; ``None`` uses the transport's default RPC timeout.
+    pass (control calls such as :meth:`step` use ``forward_timeout``);
+    ``None`` or ``math.inf`` set no deadline of the call's own, so the
+    transport's timeout applies (``rpc_timeout`` of the RPC backend options,
+    60 s by default). Huge values are clamped to what the transport supports
+    (about 24 days for TensorPipe); ``nan``, zero or negative values raise
+    ``ValueError``, here and when assigned later.
+
+    ``skipped_steps`` counts the server's optimizer steps that this client's
+    backwards (or :meth:`step` calls) reported as skipped for non-finite
+    gradients (each also warns).
     """
 
     def __init__(self, worker: str, name: str, *, forward_timeout: Optional[float] = None,
@@ -193,6 +218,27 @@ class RemoteExpert(nn.Module):
         self.worker, self.name = worker, name
         self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
         self.transport: Transport = transport or get_transport()
+        self.skipped_steps = 0
+
+    @property
+    def forward_timeout(self) -> Optional[float]:
+        """Seconds a forward (or control call) may take; ``None``: the transport's timeout."""
+        return self._forward_timeout
+
+    @forward_timeout.setter
+    def forward_timeout(self, value: Optional[float]) -> None:
+        self._forward_timeout = check_timeout(f"forward_timeout of RemoteExpert {self.name!r}",
+                                              value)
+
+    @property
+    def backward_timeout(self) -> Optional[float]:
+        """Seconds a backward may take; ``None``: the transport's timeout."""
+        return self._backward_timeout
+
+    @backward_timeout.setter
+    def backward_timeout(self, value: Optional[float]) -> None:
+        self._backward_timeout = check_timeout(f"backward_timeout of RemoteExpert {self.name!r}",
+                                               value)
 
     def extra_repr(self) -> str:
         return f"worker={self.worker!r}, name={self.name!r}"
@@ -217,15 +263,32 @@ class RemoteExpert(nn.Module):
     def _function_args(call: _Call, args: Sequence[Any]) -> Tuple[Any, ...]:
         return (call, get_phony(torch.device("cpu"), requires_grad=True), *args)
 
+    def _where(self, what: str) -> str:
+        return f"{what} of expert {self.name!r} on worker {self.worker!r}"
+
+    def _owner(self, what: str) -> str:
+        """This worker's name, which the server records as the call's owner."""
+        try:
+            return self.transport.local_name()
+        except TransportError as error:
+            raise RemoteExpertError(f"{self._where(what)} could not be sent: {error}") from error
+
+    def _transport_limit(self) -> str:
+        seconds = getattr(self.transport, "default_timeout", lambda: None)()
+        limit = f"rpc_timeout={seconds:g} s" if seconds is not None else "its default"
+        return (f"the transport's own timeout ({limit}; set it with "
+                "rpc.TensorPipeRpcBackendOptions(rpc_timeout=...), or give the expert a "
+                "forward_timeout/backward_timeout)")
+
     def _request(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
-        where = f"{what} of expert {self.name!r} on worker {self.worker!r}"
+        where = self._where(what)
         try:
             pending = self.transport.call(self.worker, OPS[op], args, timeout)
             reply = pending.result(None if timeout is None else timeout + GRACE_S)
         except TransportSendError as error:
             raise RemoteExpertError(f"{where} could not be sent: {error}") from error
         except TransportTimeout as error:
-            limit = f"its {timeout:g} s deadline" if timeout is not None else "the transport's timeout"
+            limit = f"its {timeout:g} s deadline" if timeout is not None else self._transport_limit()
             raise RemoteTimeoutError(f"{where} missed {limit} ({error})") from error
         except TransportError as error:
             raise RemoteExpertError(f"{where} failed (is the worker alive and reachable?): "
@@ -239,14 +302,15 @@ class RemoteExpert(nn.Module):
 
     def _forward(self, call: _Call, args: Sequence[Any], grad: bool) -> Tuple[List[Tensor], List[bool]]:
         flags = [bool(grad and isinstance(a, Tensor) and a.requires_grad) for a in args]
-        request = (self.name, call.call_id, call.seed, grad, flags, tuple(_wire(a) for a in args))
+        call.owner = self._owner("forward")
+        request = (self.name, call.owner, call.call_id, call.seed, grad, flags,
+                   tuple(_wire(a) for a in args))
         try:
             outputs, single, diff, mode = self._request("forward", "forward", request,
                                                         self.forward_timeout)
-        except RemoteTimeoutError:
+        except (RemoteTimeoutError, KeyboardInterrupt, SystemExit):
             if grad:  # the server may still store a state for it: release it
-                _releaser.start()
-                _releaser.pending.append((self.transport, self.worker, call.call_id))
+                _releaser.add(self.transport, self.worker, call.owner, call.call_id)
             raise
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
         call.single, call.mode, call.flags = single, mode, flags
@@ -256,18 +320,32 @@ class RemoteExpert(nn.Module):
 
     def _backward(self, call: _Call, args: Optional[Sequence[Any]],
                   grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
-        request = (self.name, call.call_id, call.seed,
+        request = (self.name, call.owner, call.call_id, call.seed,
                    None if args is None else tuple(_wire(a) for a in args),
                    call.flags, [_wire(g) for g in grads])
-        return list(self._request("backward", "backward", request, self.backward_timeout))
+        reply = self._request("backward", "backward", request, self.backward_timeout)
+        if not (isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], list)):
+            raise RemoteExpertError(f"{self._where('backward')} got a malformed reply: "
+                                    f"{reply!r:.200}")
+        input_grads, note = reply
+        self._note_skipped(note)
+        return input_grads
+
+    def _note_skipped(self, note: Any) -> None:
+        if note:
+            self.skipped_steps += 1  # (a count under the GIL; the server's stats are exact)
+            warnings.warn(f"remote expert {self.name!r} on worker {self.worker!r}: {note}",
+                          RuntimeWarning, stacklevel=3)
 
     # -- the server-side module ------------------------------------------------
     def _control(self, op: str, payload: Any = None) -> Any:
         return self._request(op, "control", (self.name, op, payload), self.forward_timeout)
 
     def step(self) -> None:
-        """Runs the server-side optimizer's ``step()`` for this expert."""
-        self._control("step")
+        """Runs the server-side optimizer's ``step()`` for this expert (skipped,
+        with a ``RuntimeWarning``, if a gradient is non-finite; see
+        :class:`ExpertServer`'s ``non_finite_grads``)."""
+        self._note_skipped(self._control("step"))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zeroes the gradients of the hosted module on the server."""
@@ -282,9 +360,11 @@ class RemoteExpert(nn.Module):
         return self._control("state_dict")
 
     def load_remote_state_dict(self, state_dict: Dict[str, Tensor]) -> None:
-        """Loads ``state_dict`` into the hosted module."""
+        """Loads ``state_dict`` into the hosted module: all of it or, on any
+        error (keys, shapes, types), nothing."""
         self._control("load_state_dict", {k: _wire(v) for k, v in state_dict.items()})
 
     def remote_stats(self) -> Dict[str, Any]:
-        """The server's counters (``live``: stateful states held now)."""
+        """The server's counters (``live``: stateful states held now;
+        ``skipped_steps``: optimizer steps skipped for non-finite gradients)."""
         return self._control("stats")

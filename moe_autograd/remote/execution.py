@@ -14,6 +14,7 @@ Invariants:
 * Parameter gradients reach the hosted module's ``.grad`` through the real
   ``AccumulateGrad`` nodes (concurrent backwards are locked by PyTorch).
 * Replies carry CPU tensors only (what TensorPipe accepts without device maps).
+* Output gradients are checked (count, shape, dtype) before any backward runs.
 """
 from contextlib import nullcontext
 from typing import Any, List, Optional, Sequence, Tuple
@@ -24,8 +25,8 @@ from torch import Tensor, nn
 from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
 
-__all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "to_wire", "trainable",
-           "warm_up"]
+__all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "check_grads", "to_wire",
+           "trainable", "warm_up"]
 
 Grads = List[Optional[Tensor]]
 
@@ -117,17 +118,32 @@ def recompute(module: nn.Module, args: Sequence[Any], flags: Sequence[bool],
     return leaves, outputs
 
 
-def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequence[Any]) -> Grads:
-    """Backpropagates ``grads`` (one per output, or None); returns one gradient
-    per argument (None for arguments that did not require grad)."""
+def check_grads(outputs: Sequence[Tensor], grads: Any) -> None:
+    """Raises unless ``grads`` holds one gradient per output: ``None``, or a
+    tensor of the output's shape and dtype. Touches nothing."""
     if not isinstance(grads, (tuple, list)) or len(grads) != len(outputs):
         raise TypeError(f"expected {len(outputs)} output gradients, got {grads!r:.200}")
-    pairs = []
     for k, (out, g) in enumerate(zip(outputs, grads)):
-        if g is None or not out.requires_grad:
+        if g is None:
             continue
         if not isinstance(g, Tensor):
             raise TypeError(f"gradient {k} is a {type(g).__name__}, not a tensor")
+        if g.shape != out.shape:
+            raise ValueError(f"gradient {k} has shape {list(g.shape)}, but output {k} has "
+                             f"shape {list(out.shape)}")
+        if g.dtype != out.dtype:
+            raise TypeError(f"gradient {k} has dtype {g.dtype}, but output {k} has {out.dtype}")
+
+
+def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequence[Any]) -> Grads:
+    """Backpropagates ``grads`` (one per output, or None; see
+    :func:`check_grads`); returns one gradient per argument (None for
+    arguments that did not require grad)."""
+    check_grads(outputs, grads)
+    pairs = []
+    for out, g in zip(outputs, grads):
+        if g is None or not out.requires_grad:
+            continue
         pairs.append((out, g.to(out.device)))
     if pairs:
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])

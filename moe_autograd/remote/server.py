@@ -11,15 +11,35 @@ Backward strategies (chosen per server):
   client sends the inputs back with the output gradients and the server
   recomputes the forward under the same seed (dropout masks replayed).
 * ``stateful``: the forward's graph is kept under the client's call id in a
-  :class:`~moe_autograd.remote.state.StateStore` (see its lifecycle table),
-  freed at backward, on release by the client, past ``state_ttl``, or when
-  more than ``max_states`` are held.
+  :class:`~moe_autograd.remote.state.StateStore` (see its lifecycle table:
+  states are owned by the client that created them, bounded per client and in
+  all), freed at backward, on release by the owner, past ``state_ttl``, or
+  when evicted by the quota policy.
+
+Requests name their client (the worker ``owner``) and, for stateful calls, a
+128-bit random call id. Trust model: the owner is what the client declares;
+this guards against mistakes, guessed ids and runaway clients, not against a
+member of the RPC world that lies (which can run any function here anyway:
+one world is one trust domain, see the README).
 
 Invariants:
 
 * A ``serve_*`` function never raises: every error (unknown expert, malformed
   request, wrong shapes or dtypes, an expert that raises) becomes an
-  ``("error", text)`` reply, so one bad request never harms the server.
+  ``("error", text)`` reply naming the expert, so one bad request never harms
+  the server or another client's states.
+* A request's tensors are measured before anything runs, by the bytes the
+  server will materialise (``numel * element_size``, so a stride-0 expanded
+  tensor counts at full size): above ``max_request_bytes`` it is refused.
+* A backward is validated completely (owner, expert, gradient count, shapes
+  and dtypes) before its state is taken: a refused backward leaves the state
+  usable by its owner.
+* Parameters change only by a complete operation: ``load_state_dict`` checks
+  keys, types and shapes first and restores the old values if loading still
+  fails; an optimizer step whose gradients are not all finite is skipped
+  (``non_finite_grads="skip"``, reported in the reply and ``stats()``) or
+  refused with an error (``"raise"``); the gradients are zeroed either way
+  under ``auto_step``.
 * Requests overlap freely (one transport thread each); only an expert with an
   optimizer in ``auto_step`` mode serialises its backward+step.
 * After :meth:`ExpertServer.close` returns, its experts are unknown here and
@@ -31,18 +51,22 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from . import execution as ex
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
 
 __all__ = ["ExpertServer", "serve_forward", "serve_backward", "serve_release", "serve_control",
-           "OPS"]
+           "OPS", "BACKWARDS", "NON_FINITE_POLICIES"]
 
 Reply = Tuple[str, Any]  # ("ok", value) or ("error", text)
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 BACKWARDS = ("stateless", "stateful")
+NON_FINITE_POLICIES = ("skip", "raise")
+MiB = 1 << 20
+_MAX_ID_CHARS = 256     # worker names and call ids longer than this are refused
+_MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
 
 
 @dataclass
@@ -52,10 +76,19 @@ class _Hosted:
     server: "ExpertServer"
     optimizer: Optional[torch.optim.Optimizer]
     lock: threading.Lock = field(default_factory=threading.Lock)
+    skipped_steps: int = 0  # steps skipped for non-finite gradients (under ``lock``)
 
 
 _experts: Dict[str, _Hosted] = {}
 _registry_lock = threading.Lock()
+
+
+def _positive_bytes(name: str, value: Optional[int]) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive number of bytes or None, got {value!r}")
+    return value
 
 
 class ExpertServer:
@@ -69,21 +102,50 @@ class ExpertServer:
     :meth:`RemoteExpert.step` / :meth:`RemoteExpert.zero_grad`. Without an
     optimizer, parameter gradients accumulate into ``.grad`` as local autograd
     would, before the client's backward returns.
+
+    Limits (``None`` disables one):
+
+    * ``max_request_bytes`` (256 MiB): the tensors of one request, as the
+      server will materialise them (stride-0 tensors at full size);
+    * ``max_states`` (1024) and ``max_state_bytes`` (1 GiB): what a
+      ``stateful`` server holds in all (a state counts its inputs and outputs
+      at materialised size), and ``max_states_per_client`` (default
+      ``max_states``) what one client holds. A client past its own quota
+      loses its own oldest state; a full server evicts the oldest state of
+      the client holding the most (the newcomer itself on a tie), so one
+      client's volume never pushes out the states of a client that holds no
+      more than it does.
+
+    ``non_finite_grads`` (``"skip"`` or ``"raise"``): what an optimizer step
+    does when a parameter gradient is NaN or infinite: skip the step (the
+    reply says so and the client warns; ``stats()["skipped_steps"]`` counts
+    it) or fail the request. The parameters are left untouched either way.
     """
 
     def __init__(self, experts: Mapping[str, nn.Module], *, backward: str = "stateless",
                  optimizer: Optional[OptimizerFactory] = None, auto_step: bool = True,
                  state_ttl: float = 60.0, max_states: int = 1024,
+                 max_states_per_client: Optional[int] = None,
+                 max_request_bytes: Optional[int] = 256 * MiB,
+                 max_state_bytes: Optional[int] = 1024 * MiB,
+                 non_finite_grads: str = "skip",
                  transport: Optional[Transport] = None) -> None:
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
+        if non_finite_grads not in NON_FINITE_POLICIES:
+            raise ValueError(f"non_finite_grads must be one of {NON_FINITE_POLICIES}, "
+                             f"got {non_finite_grads!r}")
         for name, module in experts.items():
             if not isinstance(name, str) or not isinstance(module, nn.Module):
                 raise TypeError(f"experts must map str to nn.Module, got {name!r}: {type(module)}")
+        self.max_request_bytes = _positive_bytes("max_request_bytes", max_request_bytes)
+        self.non_finite_grads = non_finite_grads
+        self.store = StateStore(state_ttl, max_states, max_states_per_client=max_states_per_client,
+                                max_bytes=_positive_bytes("max_state_bytes", max_state_bytes)
+                                ) if backward == "stateful" else None
         self._transport = transport or get_transport()
         ex.warm_up()
         self.backward, self.auto_step = backward, auto_step and optimizer is not None
-        self.store = StateStore(state_ttl, max_states) if backward == "stateful" else None
         self._closed = threading.Event()
         self._busy = 0
         self._idle = threading.Condition()
@@ -95,9 +157,10 @@ class ExpertServer:
             if taken:
                 raise ValueError(f"experts {taken} are already served in this process")
             _experts.update(hosted)
+        self._hosted = list(hosted.values())
         self.names: List[str] = list(hosted)
         if self.store is not None:
-            interval = min(max(state_ttl / 4, 0.05), 1.0)
+            interval = min(max(self.store.ttl / 4, 0.05), 1.0)
             threading.Thread(target=self._sweep, args=(interval,), daemon=True,
                              name="moe_autograd-state-sweeper").start()
 
@@ -126,9 +189,12 @@ class ExpertServer:
             self._idle.notify_all()
 
     def stats(self) -> Dict[str, Any]:
-        """Live states and counters (``live`` is 0 for a stateless server)."""
+        """Live states and counters (``live`` is 0 for a stateless server);
+        ``skipped_steps``: optimizer steps skipped for non-finite gradients."""
         base: Dict[str, Any] = {"worker": self.worker, "backward": self.backward,
-                                "in_flight": self._busy, "experts": list(self.names)}
+                                "in_flight": self._busy, "experts": list(self.names),
+                                "skipped_steps": sum(h.skipped_steps for h in self._hosted),
+                                "non_finite_grads": self.non_finite_grads}
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
 
@@ -159,7 +225,7 @@ def _lookup(name: Any) -> _Hosted:
         hosted = _experts.get(name)
         if hosted is None:
             raise LookupError(f"unknown expert {name!r}; this worker serves "
-                           f"{sorted(_experts) or 'no experts'}")
+                              f"{sorted(_experts) or 'no experts'}")
     return hosted
 
 
@@ -177,49 +243,143 @@ def _guarded(name: Any, fn: Callable[[_Hosted], Any]) -> Reply:
         return "error", f"{type(error).__name__}: {error}\n-- server traceback (tail) --\n{where}"
 
 
-def _forward(hosted: _Hosted, call_id: str, seed: int, grad: bool, flags: Sequence[bool],
-             args: Sequence[Any]) -> Tuple[List[Any], bool, List[bool], str]:
+def _ident(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
+        raise TypeError(f"{what} must be a non-empty str of at most {_MAX_ID_CHARS} "
+                        f"characters, got {value!r:.80}")
+    return value
+
+
+def _materialised_bytes(value: Any, depth: int = 0) -> int:
+    """Bytes the tensors in ``value`` take once materialised: ``numel *
+    element_size`` (a stride-0 expanded tensor counts at its full size);
+    looks into lists, tuples and dicts (4 levels deep)."""
+    if isinstance(value, Tensor):
+        return value.numel() * value.element_size()
+    if depth >= 4:
+        return 0
+    if isinstance(value, (list, tuple)):
+        return sum(_materialised_bytes(v, depth + 1) for v in value)
+    if isinstance(value, dict):
+        return sum(_materialised_bytes(v, depth + 1) for v in value.values())
+    return 0
+
+
+def _check_request_size(hosted: _Hosted, what: str, *parts: Any) -> None:
+    limit = hosted.server.max_request_bytes
+    if limit is None:
+        return
+    size = sum(_materialised_bytes(p) for p in parts)
+    if size > limit:
+        raise MemoryError(f"{what} request of expert {hosted.name!r} carries tensors of "
+                          f"{size} bytes once materialised, more than max_request_bytes="
+                          f"{limit} of this server (expanded/stride-0 tensors count at "
+                          "their full size)")
+
+
+def _forward(hosted: _Hosted, owner: Any, call_id: Any, seed: int, grad: bool,
+             flags: Sequence[bool], args: Sequence[Any]) -> Tuple[List[Any], bool, List[bool], str]:
     store = hosted.server.store
+    owner, call_id = _ident("the client's worker name", owner), _ident("call id", call_id)
+    _check_request_size(hosted, "forward", args)
     keep = bool(grad) and store is not None
+    if keep:
+        assert store is not None
+        store.check_new(owner, call_id, hosted.name)  # a duplicate is refused before running
     leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, int(seed),
                                                    grad=bool(grad), keep_graph=keep)
     mode = "none" if not any(diff) else "stateful" if keep else "stateless"
     if mode == "stateful":
         assert store is not None
-        store.put(str(call_id), CallState(hosted.name, leaves, outputs))
+        nbytes = _materialised_bytes(leaves) + _materialised_bytes(outputs)
+        store.put(call_id, CallState(hosted.name, owner, leaves, outputs, nbytes))
     return [ex.to_wire(o) for o in outputs], single, diff, mode
 
 
-def _backward(hosted: _Hosted, call_id: str, seed: int, args: Optional[Sequence[Any]],
-              flags: Sequence[bool], grads: Sequence[Any]) -> List[Any]:
+def _step(hosted: _Hosted) -> Optional[str]:
+    """Steps the optimizer unless a gradient is non-finite; returns a note when
+    the step was skipped (``skip``), raises with ``raise``. Needs ``hosted.lock``."""
+    assert hosted.optimizer is not None
+    bad = [n for n, p in hosted.module.named_parameters()
+           if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+    if not bad:
+        hosted.optimizer.step()
+        return None
+    hosted.skipped_steps += 1
+    shown = ", ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
+    note = (f"optimizer step of expert {hosted.name!r} skipped: non-finite gradients in "
+            f"{shown}; its parameters are unchanged")
+    if hosted.server.non_finite_grads == "raise":
+        raise FloatingPointError(note + " (non_finite_grads='raise')")
+    return note
+
+
+def _backward(hosted: _Hosted, owner: Any, call_id: Any, seed: int,
+              args: Optional[Sequence[Any]], flags: Sequence[bool],
+              grads: Sequence[Any]) -> Tuple[List[Any], Optional[str]]:
     store = hosted.server.store
+    owner, call_id = _ident("the client's worker name", owner), _ident("call id", call_id)
+    _check_request_size(hosted, "backward", args, grads)
     if args is None:  # stateful
         if store is None:
-            raise RuntimeError("a stateful backward reached a stateless server")
-        state = store.pop(str(call_id))
-        if state.expert != hosted.name:
-            raise RuntimeError(f"call {call_id!r} belongs to expert {state.expert!r}")
+            raise RuntimeError(f"a stateful backward of expert {hosted.name!r} reached a "
+                               "stateless server")
+        state = store.take(owner, call_id, hosted.name,
+                           lambda s: ex.check_grads(s.outputs, grads))
         leaves, outputs = state.leaves, state.outputs
     else:
         leaves, outputs = ex.recompute(hosted.module, args, flags, int(seed))
     if not hosted.server.auto_step:
-        return ex.run_backward(leaves, outputs, grads)
+        return ex.run_backward(leaves, outputs, grads), None
     assert hosted.optimizer is not None
     with hosted.lock:
-        result = ex.run_backward(leaves, outputs, grads)
-        hosted.optimizer.step()
-        hosted.optimizer.zero_grad()
-    return result
+        try:
+            result = ex.run_backward(leaves, outputs, grads)
+            note = _step(hosted)
+        finally:
+            hosted.optimizer.zero_grad()
+    return result, note
+
+
+def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
+    """Loads all of ``payload`` or nothing: checks first, restores on failure."""
+    module = hosted.module
+    where = f"load_state_dict of expert {hosted.name!r}"
+    if not isinstance(payload, Mapping):
+        raise TypeError(f"{where}: expected a dict, got {type(payload).__name__}")
+    current = module.state_dict()
+    missing = sorted(set(current) - set(payload))
+    unexpected = sorted(str(k) for k in set(payload) - set(current))
+    if missing or unexpected:
+        raise KeyError(f"{where}: missing keys {missing[:8]}, unexpected keys "
+                       f"{unexpected[:8]}; nothing was changed")
+    for key, have in current.items():
+        value = payload[key]
+        if isinstance(have, Tensor):
+            if not isinstance(value, Tensor):
+                raise TypeError(f"{where}: {key!r} is a {type(value).__name__}, not a tensor; "
+                                "nothing was changed")
+            if value.shape != have.shape:
+                raise ValueError(f"{where}: {key!r} has shape {list(value.shape)}, the "
+                                 f"expert's has {list(have.shape)}; nothing was changed")
+    with hosted.lock, torch.no_grad():
+        backup = {k: v.clone() for k, v in current.items() if isinstance(v, Tensor)}
+        try:
+            module.load_state_dict(payload)
+        except BaseException:
+            for key, saved in backup.items():
+                current[key].copy_(saved)  # state_dict() tensors alias the module's
+            raise
 
 
 def _control(hosted: _Hosted, op: str, payload: Any) -> Any:
     module = hosted.module
     if op == "step":
         if hosted.optimizer is None:
-            raise RuntimeError("this expert has no optimizer: pass optimizer=... to ExpertServer")
+            raise RuntimeError(f"expert {hosted.name!r} has no optimizer: pass optimizer=... "
+                               "to ExpertServer")
         with hosted.lock:
-            hosted.optimizer.step()
-        return None
+            return _step(hosted)
     if op == "zero_grad":
         with hosted.lock:
             module.zero_grad(set_to_none=bool(payload))
@@ -230,41 +390,51 @@ def _control(hosted: _Hosted, op: str, payload: Any) -> Any:
     if op == "state_dict":
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
     if op == "load_state_dict":
-        with hosted.lock, torch.no_grad():
-            module.load_state_dict(payload)
+        _load_state_dict(hosted, payload)
         return None
     if op == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
-                    optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step)
-    raise ValueError(f"unknown control operation {op!r}")
+                    optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
+                    expert_skipped_steps=hosted.skipped_steps)
+    raise ValueError(f"unknown control operation {op!r} for expert {hosted.name!r}")
 
 
 # -- the functions the transport runs on this worker ---------------------------
-def serve_forward(name: str, call_id: str, seed: int, grad: bool, flags: Sequence[bool],
-                  args: Sequence[Any]) -> Reply:
-    return _guarded(name, lambda h: _forward(h, call_id, seed, grad, flags, args))
+def serve_forward(name: str, owner: str, call_id: str, seed: int, grad: bool,
+                  flags: Sequence[bool], args: Sequence[Any]) -> Reply:
+    """``("ok", (outputs, single, differentiable, mode))``; ``owner`` is the
+    client's worker name, ``call_id`` its random id for this call."""
+    return _guarded(name, lambda h: _forward(h, owner, call_id, seed, grad, flags, args))
 
 
-def serve_backward(name: str, call_id: str, seed: int, args: Optional[Sequence[Any]],
-                   flags: Sequence[bool], grads: Sequence[Any]) -> Reply:
-    return _guarded(name, lambda h: _backward(h, call_id, seed, args, flags, grads))
+def serve_backward(name: str, owner: str, call_id: str, seed: int,
+                   args: Optional[Sequence[Any]], flags: Sequence[bool],
+                   grads: Sequence[Any]) -> Reply:
+    """``("ok", (input_grads, note))``; ``note`` says when the server skipped
+    its optimizer step (``None`` otherwise). ``args`` is ``None`` for a
+    stateful call."""
+    return _guarded(name, lambda h: _backward(h, owner, call_id, seed, args, flags, grads))
 
 
 def serve_control(name: str, op: str, payload: Any = None) -> Reply:
     return _guarded(name, lambda h: _control(h, op, payload))
 
 
-def serve_release(call_ids: Sequence[str]) -> Reply:
-    """Frees the states of ``call_ids`` in every stateful server of this process."""
+def serve_release(owner: str, call_ids: Sequence[str]) -> Reply:
+    """Frees ``owner``'s states among ``call_ids`` in every stateful server of
+    this process (states of other workers are left alone)."""
     try:
+        owner = _ident("the client's worker name", owner)
+        if not isinstance(call_ids, (list, tuple)) or len(call_ids) > _MAX_RELEASE_IDS:
+            raise TypeError(f"call_ids must be a list of at most {_MAX_RELEASE_IDS} ids, "
+                            f"got {type(call_ids).__name__}")
+        ids = [_ident("call id", c) for c in call_ids]
         with _registry_lock:
             stores = {id(h.server): h.server.store for h in _experts.values()}
-        ids = [str(c) for c in call_ids]
-        return "ok", sum(s.release(ids) for s in stores.values() if s is not None)
+        return "ok", sum(s.release(owner, ids) for s in stores.values() if s is not None)
     except Exception as error:  # noqa: BLE001
         return "error", f"{type(error).__name__}: {error}"
 
 
 OPS: Dict[str, Callable[..., Reply]] = {
     "forward": serve_forward, "backward": serve_backward, "control": serve_control}
-

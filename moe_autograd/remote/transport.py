@@ -19,11 +19,45 @@ Invariants:
   the RPC agent's own timeout, or by the waiter within ``result(timeout)``), and
   :class:`TransportError` for every other failure (peer dead, connection
   reset). A reply that arrives after its waiter gave up is dropped.
+* ``call(..., timeout=None)`` still ends: the engine's own timeout bounds it
+  (for :class:`RpcTransport`, the ``rpc_timeout`` of the backend options,
+  60 s unless set in ``TensorPipeRpcBackendOptions(rpc_timeout=...)``). A
+  finite timeout above what the engine can represent is clamped
+  (:data:`RPC_MAX_TIMEOUT_S`).
+* ``Pending.result`` waits in slices of at most :data:`WAIT_SLICE_S`
+  seconds in Python, never in one blocking engine call, so a waiting main
+  thread gets Ctrl-C (``KeyboardInterrupt``) within a slice, and a waiting
+  daemon thread can be stopped at interpreter exit.
 """
+import math
+import numbers
+import threading
+import time
 from typing import Any, Callable, Optional, Protocol, Tuple
 
 __all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
-           "RpcTransport", "get_transport", "set_transport"]
+           "RpcTransport", "get_transport", "set_transport", "check_timeout",
+           "RPC_MAX_TIMEOUT_S", "WAIT_SLICE_S"]
+
+RPC_MAX_TIMEOUT_S = 2_147_483.0  # the RPC agent keeps timeouts as int32 milliseconds
+WAIT_SLICE_S = 0.1  # longest a waiter stays in one blocking wait (signals, exit)
+
+
+def check_timeout(name: str, value: Any, limit: float = RPC_MAX_TIMEOUT_S) -> Optional[float]:
+    """The deadline a user's ``value`` means: ``None`` and ``math.inf`` give
+    ``None`` (no deadline of its own), a positive finite number of seconds is
+    kept (clamped to ``limit``); ``nan``, zero, negative values and non-numbers
+    raise (``ValueError`` / ``TypeError``) naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None, math.inf or a positive number of seconds, "
+                        f"got {type(value).__name__} {value!r:.40}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be None, math.inf or a positive number of seconds, "
+                         f"got {value!r}")
+    return None if math.isinf(seconds) else min(seconds, limit)
 
 
 class TransportError(Exception):
@@ -42,7 +76,9 @@ class Pending(Protocol):
     """A request in flight."""
 
     def result(self, timeout: Optional[float]) -> Any:
-        """Blocks up to ``timeout`` seconds (None: forever) for the reply."""
+        """Blocks up to ``timeout`` seconds (None: until the ``call``'s own
+        timeout or the engine's) for the reply; lets signal handlers run
+        (Ctrl-C) while it waits."""
         ...
 
     def done(self) -> bool:
@@ -71,8 +107,13 @@ def _is_timeout(error: BaseException) -> bool:
 
 class _RpcPending:
     """An ``rpc_async`` future. The agent itself fails it at the RPC's
-    timeout (set to the call's deadline), so waiting needs no Python callback
-    on the agent's threads, and a late response is dropped by the agent."""
+    timeout (set to the call's deadline), and drops a late response.
+
+    ``future.wait()`` would block in C++ where no signal handler runs (Ctrl-C
+    would wait for the reply) and where a daemon thread cannot be stopped at
+    exit; so the waiter sleeps on a :class:`threading.Lock` (released by a
+    done callback on the agent's thread) in slices of :data:`WAIT_SLICE_S`,
+    and calls ``wait()`` only once the future is done."""
 
     __slots__ = ("_future",)
 
@@ -83,8 +124,21 @@ class _RpcPending:
         return bool(self._future.done())
 
     def result(self, timeout: Optional[float]) -> Any:
+        future = self._future
+        if not future.done():
+            ready = threading.Lock()  # held until the done callback releases it
+            ready.acquire()
+            future.add_done_callback(lambda _: ready.release())
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
+                                                                 deadline - time.monotonic())
+                if left <= 0:
+                    raise TransportTimeout(f"no reply within {timeout:g} s")
+                if ready.acquire(timeout=left):  # a signal handler may raise in here (Ctrl-C)
+                    break
         try:
-            return self._future.wait()  # releases the GIL; bounded by the RPC timeout
+            return future.wait()  # done: returns (or raises) at once
         except Exception as error:  # noqa: BLE001 - every engine error is mapped
             kind = TransportTimeout if _is_timeout(error) else TransportError
             raise kind(f"{type(error).__name__}: {error}") from error
@@ -93,8 +147,10 @@ class _RpcPending:
 class RpcTransport:
     """:mod:`torch.distributed.rpc`, initialised by the user with ``init_rpc``.
 
-    ``timeout=None`` uses the agent's default RPC timeout (the ``rpc_timeout``
-    of the backend options, 60 s unless configured).
+    ``timeout=None`` (or ``math.inf``) uses the agent's default RPC timeout
+    (the ``rpc_timeout`` of the backend options, 60 s unless configured; note
+    that ``rpc_timeout=0`` there means no limit at all). Finite timeouts are
+    clamped to :data:`RPC_MAX_TIMEOUT_S`.
     """
 
     name = "torch.distributed.rpc"
@@ -103,12 +159,26 @@ class RpcTransport:
              timeout: Optional[float]) -> Pending:
         from torch.distributed import rpc
 
-        rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if timeout is None else max(timeout, 1e-3)
+        try:
+            limit = check_timeout("timeout", timeout)
+        except (TypeError, ValueError) as error:
+            raise TransportSendError(str(error)) from error
+        rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if limit is None else limit
         try:
             future = rpc.rpc_async(worker, fn, args=args, timeout=rpc_timeout)
         except Exception as error:  # noqa: BLE001 - unknown worker, pickling, not initialised
             raise TransportSendError(f"{type(error).__name__}: {error}") from error
         return _RpcPending(future)
+
+    def default_timeout(self) -> Optional[float]:
+        """The agent's own timeout in seconds (``None`` if unknown or unlimited)."""
+        from torch.distributed import rpc
+
+        try:
+            value = float(rpc.get_rpc_timeout())
+        except Exception:  # noqa: BLE001 - not initialised
+            return None
+        return value if value > 0 else None
 
     def local_name(self) -> str:
         from torch.distributed import rpc

@@ -7,11 +7,13 @@ after ``rpc.shutdown()`` (torch's rendezvous hangs), so tests that need a world
 of their own run their client in a child process (test_remote_failures.py).
 
 The world is shut down right after the last test that uses it (not at the end
-of the whole session), and its processes are joined, terminated or killed.
+of the whole session), and its processes are joined, terminated or killed;
+the tests that use it are collected back to back (first in this directory),
+whichever files they are in.
 """
 import os
 import sys
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
@@ -67,6 +69,18 @@ def world() -> Iterator[Tuple[str, ...]]:
     _warm_up_client()
     yield SERVERS
     _shutdown()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    """Runs this directory's tests that use the shared world back to back
+    (first, in their collected order), so that the world, shut down after
+    the last of them, serves them all whichever files they are in."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    slots = [k for k, item in enumerate(items) if str(item.path).startswith(here + os.sep)]
+    mine = [items[k] for k in slots]
+    mine.sort(key=lambda item: "world" not in getattr(item, "fixturenames", ()))  # stable
+    for k, item in zip(slots, mine):
+        items[k] = item
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:

@@ -125,7 +125,129 @@ def setup_servers() -> List[ExpertServer]:
                      state_ttl=1.0, max_states=8),
         ExpertServer({"opt_lin": nn.Linear(WIDTH, WIDTH)}, optimizer=sgd, auto_step=False),
         ExpertServer({"auto_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful", optimizer=sgd),
+        # the integrity tests (test_remote_integrity.py)
+        ExpertServer({"quota_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful",
+                     state_ttl=30.0, max_states=8),
+        ExpertServer({"small_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful",
+                     state_ttl=30.0, max_request_bytes=1 << 20, max_state_bytes=4 << 20),
+        ExpertServer({"skip_lin": nn.Linear(WIDTH, WIDTH)}, optimizer=sgd),
+        ExpertServer({"raise_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful", optimizer=sgd,
+                     non_finite_grads="raise"),
     ]
+
+
+# -- another client: these run on a server process, which then calls a peer ----
+def _me() -> str:
+    from torch.distributed import rpc
+
+    return rpc.get_worker_info().name
+
+
+def release_as_me(worker: str, call_ids: List[str]) -> Any:
+    """What a release of ``call_ids`` sent by this worker gets from ``worker``."""
+    from torch.distributed import rpc
+
+    from moe_autograd.remote.server import serve_release
+
+    return rpc.rpc_sync(worker, serve_release, args=(_me(), call_ids))
+
+
+def backward_as_me(worker: str, name: str, call_id: str, grads: List[Tensor]) -> Any:
+    """What a stateful backward of ``call_id`` sent by this worker gets."""
+    from torch.distributed import rpc
+
+    from moe_autograd.remote.server import serve_backward
+
+    return rpc.rpc_sync(worker, serve_backward, args=(name, _me(), call_id, 0, None, [True], grads))
+
+
+def flood(worker: str, name: str, n: int) -> Dict[str, Any]:
+    """Makes ``n`` stateful calls of ``name`` from this worker, all pending at
+    once, then drops them; returns the server's stats while they were held."""
+    expert = RemoteExpert(worker, name, forward_timeout=10.0)
+    outs = [expert(torch.randn(2, WIDTH)) for _ in range(n)]
+    stats = expert.remote_stats()
+    del outs
+    return stats
+
+
+# -- the fault world (test_remote_faults.py) ----------------------------------------
+def fault_servers() -> List[ExpertServer]:
+    return [ExpertServer({"lin": nn.Linear(WIDTH, WIDTH), "slow": Sleepy(1.0, fwd=True, bwd=False),
+                          "slow_bwd": SlowBackward(1.0)}),
+            ExpertServer({"sf_slow": Sleepy(1.0, fwd=True, bwd=False)}, backward="stateful")]
+
+
+def fault_client(port: int, server_pid: int, queue: Any) -> None:
+    """Client (rank 0 of 2, rpc_timeout=1 s) of the fault world: Ctrl-C while
+    waiting on remote calls, then calls without a deadline to a stopped
+    server. Puts a report ``{case: (outcome, message, seconds)}`` on ``queue``."""
+    import signal
+
+    from torch.distributed import rpc
+
+    from moe_autograd import parallel_apply
+    from moe_autograd.remote import flush_releases
+    from moe_autograd.remote.loopback import backend_options
+
+    report: Dict[str, Any] = {}
+    rpc.init_rpc("client", rank=0, world_size=2,
+                 rpc_backend_options=backend_options(port, rpc_timeout=1.0))
+
+    def interrupt(key: str, fn: Any) -> None:
+        # SIGINT to this process 0.2 s in; time from the signal to the exception
+        sent: List[float] = []
+
+        def fire() -> None:
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+        timer = threading.Timer(0.2, fire)
+        timer.start()
+        try:
+            fn()
+            report[key] = ("returned", "", 0.0)
+        except KeyboardInterrupt:
+            report[key] = ("KeyboardInterrupt", "", time.monotonic() - sent[0])
+        except Exception as error:  # noqa: BLE001
+            report[key] = (type(error).__name__, str(error), 0.0)
+        timer.join()
+
+    def attempt(key: str, fn: Any) -> None:
+        start = time.monotonic()
+        try:
+            fn()
+            report[key] = ("ok", "", time.monotonic() - start)
+        except Exception as error:  # noqa: BLE001
+            report[key] = (type(error).__name__, str(error), time.monotonic() - start)
+
+    x = torch.randn(2, WIDTH, requires_grad=True)
+    try:
+        attempt("warm", lambda: RemoteExpert("fault-srv", "lin")(x).sum().backward())
+        sf_slow = RemoteExpert("fault-srv", "sf_slow")
+        stored = sf_slow.remote_stats()["stored"]
+        interrupt("forward", lambda: RemoteExpert("fault-srv", "slow")(x))
+        interrupt("stateful_forward", lambda: sf_slow(x))
+        out = RemoteExpert("fault-srv", "slow_bwd")(x)
+        interrupt("backward", lambda: out.sum().backward())
+        slow2 = [RemoteExpert("fault-srv", "slow") for _ in range(2)]
+        interrupt("parallel_apply", lambda: parallel_apply(slow2, [x, x]))
+        time.sleep(1.0)  # the interrupted calls finish on the server; their replies are dropped
+        flush_releases()
+        time.sleep(0.3)
+        stats = sf_slow.remote_stats()
+        report["sf_stats"] = (stats["live"], stats["stored"] - stored)
+        attempt("after_interrupts", lambda: RemoteExpert("fault-srv", "lin")(x).sum().backward())
+        os.kill(server_pid, signal.SIGSTOP)
+        try:
+            attempt("stopped_none", lambda: RemoteExpert("fault-srv", "lin")(x))
+            attempt("stopped_inf", lambda: RemoteExpert("fault-srv", "lin",
+                                                        forward_timeout=float("inf"))(x))
+        finally:
+            os.kill(server_pid, signal.SIGCONT)
+        attempt("resumed", lambda: RemoteExpert("fault-srv", "lin", forward_timeout=5.0)(x))
+    finally:
+        queue.put(report)
+        rpc.shutdown(graceful=True)
 
 
 def cli_experts() -> Dict[str, nn.Module]:

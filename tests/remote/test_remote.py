@@ -177,16 +177,22 @@ def test_garbage_requests_get_error_replies(world) -> None:
     from torch.distributed import rpc
 
     t = torch.randn(2, rx.WIDTH)
+    me = "client"
     garbage = [
-        (serve_forward, (123, "id", 0, True, [True], (t,)), "expert name must be a str"),
-        (serve_forward, ("lin", "id", "seed?", True, [True], (t,)), "invalid literal"),
-        (serve_forward, ("lin", "id", 0, True, [True, True], (t,)), "flags"),
-        (serve_forward, ("lin", "id", 0, True, [True], "notatuple"), "must be a tuple"),
-        (serve_backward, ("sf_lin", "never-stored", 0, None, [True], [t]), "no state for call"),
-        (serve_backward, ("lin", "id", 0, (t,), [True], [t, t]), "expected 1 output gradients"),
-        (serve_backward, ("lin", "id", 0, (t,), [True], ["grad"]), "not a tensor"),
+        (serve_forward, (123, me, "id", 0, True, [True], (t,)), "expert name must be a str"),
+        (serve_forward, ("lin", me, "id", "seed?", True, [True], (t,)), "invalid literal"),
+        (serve_forward, ("lin", me, "id", 0, True, [True, True], (t,)), "flags"),
+        (serve_forward, ("lin", me, "id", 0, True, [True], "notatuple"), "must be a tuple"),
+        (serve_forward, ("lin", None, "id", 0, True, [True], (t,)), "worker name must be"),
+        (serve_forward, ("sf_lin", me, "x" * 1000, 0, True, [True], (t,)), "call id must be"),
+        (serve_backward, ("sf_lin", me, "never-stored", 0, None, [True], [t]), "no state for call"),
+        (serve_backward, ("lin", me, "id", 0, (t,), [True], [t, t]), "expected 1 output gradients"),
+        (serve_backward, ("lin", me, "id", 0, (t,), [True], ["grad"]), "not a tensor"),
+        (serve_backward, ("lin", me, "id", 0, (t,), [True], [t[:1]]), "has shape [1, 8]"),
         (serve_control, ("lin", "explode", None), "unknown control operation"),
-        (serve_release, (None,), "TypeError"),
+        (serve_release, (None, ["x"]), "worker name must be"),
+        (serve_release, (me, "not-a-list"), "call_ids must be a list"),
+        (serve_release, (me, [3]), "call id must be"),
     ]
     for fn, args, match in garbage:
         status, text = rpc.rpc_sync("srv-a", fn, args=args)

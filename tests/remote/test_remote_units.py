@@ -15,28 +15,77 @@ from moe_autograd.remote.transport import TransportTimeout
 pytestmark = pytest.mark.timeout(30)
 
 
-def _state() -> CallState:
-    return CallState("e", [], [])
+def _state(owner: str = "a", nbytes: int = 0, expert: str = "e") -> CallState:
+    return CallState(expert, owner, [], [], nbytes)
 
 
 def test_state_store_cap_ttl_and_reasons() -> None:
     store = StateStore(ttl=0.2, max_states=2)
     for k in range(3):
-        assert store.put(f"c{k}", _state())
+        store.put(f"c{k}", _state())
     assert len(store) == 2
     with pytest.raises(LookupError, match="evicted"):
-        store.pop("c0")
-    store.pop("c1")
+        store.take("a", "c0", "e")
+    store.take("a", "c1", "e")
     with pytest.raises(LookupError, match="used by an earlier backward"):
-        store.pop("c1")
-    assert store.release(["c9"]) == 0 and not store.put("c9", _state())  # release overtook forward
+        store.take("a", "c1", "e")
+    assert store.release("a", ["c9"]) == 0
+    with pytest.raises(LookupError, match="released by the client before its forward"):
+        store.put("c9", _state())  # the release overtook the forward: nothing is stored
     time.sleep(0.25)
     assert store.sweep() == 1 and len(store) == 0
     with pytest.raises(LookupError, match="expired"):
-        store.pop("c2")
+        store.take("a", "c2", "e")
     with pytest.raises(LookupError, match="unknown call id"):
-        store.pop("never")
+        store.take("a", "never", "e")
     assert store.stats()["live"] == 0
+
+
+def test_state_store_ids_are_owned_and_never_reused() -> None:
+    store = StateStore(ttl=30.0, max_states=8)
+    store.put("x", _state("a"))
+    with pytest.raises(LookupError, match="already held"):  # item 1: never a silent no-store
+        store.put("x", _state("b"))
+    with pytest.raises(LookupError, match="belongs to worker 'a', not 'b'"):
+        store.take("b", "x", "e")
+    assert store.release("b", ["x"]) == 0  # another worker's release is refused
+    with pytest.raises(LookupError, match="belongs to expert 'e', not 'f'"):
+        store.take("a", "x", "f")
+
+    def bad(state: CallState) -> None:
+        raise ValueError("wrong gradient shape")
+    with pytest.raises(ValueError, match="wrong gradient shape"):
+        store.take("a", "x", "e", bad)
+    assert store.stats()["refused"] == 3 and len(store) == 1  # all refusals left it intact
+    store.take("a", "x", "e")
+    with pytest.raises(LookupError, match="used before"):
+        store.put("x", _state("a"))
+
+
+def test_state_store_quotas_protect_smaller_clients() -> None:
+    store = StateStore(ttl=30.0, max_states=10, max_states_per_client=6)
+    store.put("a0", _state("a"))
+    for k in range(100):  # b floods: only its own states go
+        store.put(f"b{k}", _state("b"))
+    assert store.stats()["live"] == 7 and store.take("a", "a0", "e").owner == "a"
+    for k in range(5):
+        store.put(f"a{k + 1}", _state("a"))  # full at the 5th: b (6 states) gives way, not a
+    assert store.stats()["clients"] == 2 and len(store._owned["a"]) == 5
+    for k in range(5):
+        store.put(f"c{k}", _state("c"))  # each eviction hits a client holding more than c
+    counts = sorted(len(ids) for ids in store._owned.values())
+    assert len(store) == 10 and counts == [3, 3, 4], counts  # fair shares
+
+
+def test_state_store_byte_cap() -> None:
+    store = StateStore(ttl=30.0, max_states=100, max_bytes=1000)
+    store.put("a0", _state("a", 300))
+    for k in range(10):
+        store.put(f"b{k}", _state("b", 300))
+        assert store.nbytes <= 1000
+    assert store.take("a", "a0", "e").nbytes == 300  # b's volume evicted only b's states
+    with pytest.raises(MemoryError, match="expert 'big'.*max_state_bytes=1000"):
+        store.put("huge", _state("a", 1001, expert="big"))
 
 
 class _Ready:
@@ -109,6 +158,12 @@ def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "3")
     args = build_parser().parse_args(["--experts", "m:f"])
     assert (args.master_port, args.rank, args.world_size) == (1234, 3, None)
+    assert (args.max_request_bytes, args.max_state_bytes, args.non_finite_grads) == (
+        256 << 20, 1 << 30, "skip")
+    args = build_parser().parse_args(["--experts", "m:f", "--max-state-bytes", "none",
+                                      "--max-request-bytes", "4096", "--non-finite-grads", "raise"])
+    assert (args.max_request_bytes, args.max_state_bytes, args.non_finite_grads) == (
+        4096, None, "raise")
     assert load_object("moe_autograd.remote.cli:main") is main
     with pytest.raises(ValueError, match="package.module:function"):
         load_object("no_colon")
