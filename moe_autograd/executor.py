@@ -18,6 +18,8 @@ Invariants:
 * While the pool has free workers, every call of a group runs concurrently
   with every other (a call is never queued behind a sibling).
 * A call never runs twice, and a cancelled call never starts.
+* A group submitted with ``lanes`` runs on at most that many threads, each
+  taking the next call in order (``lanes=1``: the caller alone, in ``wait``).
 * ``wait(help=False)`` never runs a call on the caller's thread, so a caller
   with a deadline cannot be caught inside a straggler.
 
@@ -181,6 +183,15 @@ class TaskGroup(Generic[T]):
                 raise error
 
 
+class _Lane:
+    """A ticket whose worker runs its group's calls until none is left."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: TaskGroup[Any]) -> None:
+        self.group = group
+
+
 class WorkerPool:
     """A bounded pool of named daemon threads that serve :class:`TaskGroup`\\ s."""
 
@@ -199,21 +210,29 @@ class WorkerPool:
     def threads(self) -> List[threading.Thread]:
         return list(self._threads)
 
-    def submit(self, fns: Sequence[Callable[[], T]]) -> TaskGroup[T]:
+    def submit(self, fns: Sequence[Callable[[], T]], lanes: Optional[int] = None) -> TaskGroup[T]:
         """Queues the calls; they start on workers at once (while some are
-        free). Call :meth:`TaskGroup.wait` to help and join."""
+        free). Call :meth:`TaskGroup.wait` to help and join.
+
+        With ``lanes``, the calls run on at most that many threads, the
+        caller's (when it helps) included: ``lanes - 1`` workers each take
+        the group's next call until none is left, in order. ``lanes=1`` puts
+        nothing on the queue: the caller runs every call in ``wait()``.
+        """
         group: TaskGroup[T] = TaskGroup(self, fns)
         n = len(fns)
-        if n == 0:
+        tickets = n if lanes is None else max(0, min(lanes, n) - 1)
+        if tickets == 0:
             return group
         with self._lock:
-            self._queued += n
-            free = self._idle - (self._queued - n)
-            missing = min(n - free, self.max_workers - len(self._threads))
+            self._queued += tickets
+            free = self._idle - (self._queued - tickets)
+            missing = min(tickets - free, self.max_workers - len(self._threads))
             for _ in range(max(missing, 0)):
                 self._start_worker()
-        for _ in range(n):
-            self._tickets.put(group)
+        ticket: Any = group if lanes is None else _Lane(group)
+        for _ in range(tickets):
+            self._tickets.put(ticket)
         return group
 
     def _start_worker(self) -> None:
@@ -236,7 +255,13 @@ class WorkerPool:
                     self._running.add(me)
             if group is None:
                 return
-            group._run_next()
+            if isinstance(group, _Lane):
+                lane = group.group
+                while lane._run_next():
+                    pass
+                del lane
+            else:
+                group._run_next()
             del group  # don't keep the last group (and its tensors) alive while idle
             with self._lock:
                 self._running.discard(me)
@@ -328,54 +353,24 @@ def _forget_pool_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
 
 
-def _lane(fns: Sequence[Callable[[], T]], first: int, step: int,
-          results: List[Optional[T]], errors: List[Optional[BaseException]]) -> None:
-    """Runs calls ``first, first + step, ...`` in order on this thread;
-    Exceptions are recorded per call, anything else (Ctrl-C) stops the lane."""
-    for i in range(first, len(fns), step):
-        try:
-            results[i] = fns[i]()
-        except Exception as error:  # noqa: B902 - reported per call by run_all
-            errors[i] = error
-
-
 def run_all(fns: Sequence[Callable[[], T]], what: Optional[str] = "call", *,
             lanes: Optional[int] = None) -> List[T]:
     """Runs the calls, joins all of them, then raises the first failure
     (noted ``<what> <i> of <n>`` unless ``what`` is None) or returns the
     results in order.
 
-    By default every call may run on a worker of its own. With ``lanes`` the
-    calls run on at most that many threads (``1``: all on the caller, in
-    order).
+    By default every call may run on a worker of its own; with ``lanes``, on
+    at most that many threads (``1``: all on the caller, in order; see
+    :meth:`WorkerPool.submit`).
     """
-    n = len(fns)
-    if n == 1 or lanes == 1:
-        results: List[Optional[T]] = [None] * n
-        errors: List[Optional[BaseException]] = [None] * n
-        for i, fn in enumerate(fns):
-            try:
-                results[i] = fn()
-            except Exception as error:  # noqa: B902 - every call runs, then the first raises
-                errors[i] = error
-            except BaseException as error:
-                if what is not None:
-                    error.add_note(f"{what} {i} of {n}")
-                raise
-        _raise_first(errors, what)
-        return results  # type: ignore[return-value]
-    if lanes is not None and lanes < n:
-        results = [None] * n
-        errors = [None] * n
-        lane_group = get_pool().submit([
-            (lambda k=k: _lane(fns, k, lanes, results, errors))  # type: ignore[misc]
-            for k in range(lanes)
-        ])
-        lane_group.wait()
-        _raise_first(lane_group.errors, None)  # a lane's own failure: Ctrl-C
-        _raise_first(errors, what)
-        return results  # type: ignore[return-value]
-    group = get_pool().submit(fns)
+    if len(fns) == 1:
+        try:
+            return [fns[0]()]
+        except BaseException as error:
+            if what is not None:
+                error.add_note(f"{what} 0 of 1")
+            raise
+    group = get_pool().submit(fns, lanes)
     group.wait()
     _raise_first(group.errors, what)
     return group.results  # type: ignore[return-value]

@@ -357,7 +357,7 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
                 raise
         return
     assert policy is not None
-    group = get_pool().submit(fns)
+    group = get_pool().submit(fns, None if policy.timeout is not None else plan.lanes)
     # Under a deadline the caller never runs a call itself: it could not leave
     # a straggler before the deadline.
     if not group.wait(policy.timeout, help=policy.timeout is None):

@@ -146,19 +146,24 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 check_finite_grads: bool = False,
                 name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
                 validate: Optional[Callable[[ModuleCall], None]] = None,
+                lanes: Optional[int] = None, measure: Optional[Measure] = None,
                 ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
     """Queues every call's forward on the pool, each call on a worker of its
-    own; the caller joins the group.
+    own (or on ``lanes`` threads, the caller's included when it helps); the
+    caller joins the group.
 
     ``labels`` name the calls in errors and profiler ranges (default
     ``call <i> of <n>``); ``validate`` runs on the worker after each forward
-    and fails the call by raising.
+    and fails the call by raising; ``measure`` times each call for the
+    execution policy.
     """
     _check_lengths(name, len(modules), inputs, kwargs)
     check_parallel_mode(name, [inputs, kwargs, modules])
     calls, tasks = _make_calls(modules, inputs, kwargs, checkpoint, check_finite_grads, name,
                                labels, validate)
-    return calls, get_pool().submit(tasks)
+    if measure is not None:
+        tasks = [measure.timed(i, t) for i, t in enumerate(tasks)]
+    return calls, get_pool().submit(tasks, lanes)
 
 
 def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] = None,

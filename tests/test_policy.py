@@ -180,3 +180,31 @@ def test_lanes_run_on_at_most_their_count_of_threads(monkeypatch: pytest.MonkeyP
         assert len(set(names)) <= 2
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpoint"])
+def test_moe_layer_gives_the_same_bits_in_every_mode(checkpoint: bool) -> None:
+    from moe_autograd import MixtureOfExperts
+
+    def run(mode: str) -> List[Optional[Tensor]]:
+        torch.manual_seed(0)
+        moe = MixtureOfExperts([Noisy(k) for k in range(4)], 6, k=2, checkpoint=checkpoint,
+                               mode=mode).double()
+        x = torch.randn(3, 5, 6, dtype=DT, requires_grad=True)
+        y, aux = moe(x)
+        (y.square().sum() + aux).backward()
+        return [y.detach(), x.grad] + [p.grad for p in moe.parameters()]
+    want = run("parallel")
+    for mode in MODES:
+        for _ in range(policy.EVIDENCE + 1):
+            _same(run(mode), want)
+
+
+def test_moe_layer_with_deadlines_always_fans_out() -> None:
+    from moe_autograd import MixtureOfExperts
+    moe = MixtureOfExperts([nn.Linear(2, 2) for _ in range(2)], 2, k=1, forward_timeout=5.0,
+                           mode="inline")
+    assert moe._decide(list(moe.experts))[0].mode == "parallel"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        MixtureOfExperts([nn.Linear(2, 2)], 2, k=1, mode="fastest")

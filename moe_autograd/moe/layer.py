@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from ..node import BackwardPolicy
 from ..executor import CallCancelled, TaskGroup
 from ..parallel import ModuleCall, finish_calls, start_calls
+from ..policy import PARALLEL, Decision, Measure, choose, forced_mode, site_of
 from ..transforms import opaque_to_dynamo
 from .dispatch import combine, dispatch
 from .gating import combine_weights, load_balancing_loss, mixtral_load_balancing_loss, route
@@ -111,6 +112,13 @@ class MixtureOfExperts(nn.Module):
     * ``gate``: a router module used instead of the ``nn.Linear`` (its output,
       or the first element of a tuple output as transformers' routers return,
       is the ``[tokens, E]`` logits).
+
+    ``mode`` (``"auto"``, ``"inline"``, ``"lanes"``, ``"parallel"``; default
+    ``MOE_AUTOGRAD_MODE`` or auto) picks how the expert calls run (see
+    :mod:`moe_autograd.policy`); with any deadline set (``forward_timeout``,
+    ``timeout_after_k_min``, ``backward_timeout``) they always fan out, since
+    the caller must never be caught inside a straggler. Results are the same
+    in every mode.
     """
 
     def __init__(self, experts: Sequence[nn.Module], in_features: int, k: int = 2, *,
@@ -121,8 +129,10 @@ class MixtureOfExperts(nn.Module):
                  gate_noise: float = 0.0, out_features: Optional[int] = None,
                  gate_bias: bool = True, router_dtype: Optional[torch.dtype] = None,
                  aux_loss: str = "switch", return_aux_loss: bool = True,
-                 return_router_logits: bool = False, gate: Optional[nn.Module] = None) -> None:
+                 return_router_logits: bool = False, gate: Optional[nn.Module] = None,
+                 mode: Optional[str] = None) -> None:
         super().__init__()
+        forced_mode(mode)  # a bad mode fails here, naming the argument
         if not experts:
             raise ValueError("MixtureOfExperts needs at least one expert")
         if not 1 <= k <= len(experts):
@@ -149,7 +159,7 @@ class MixtureOfExperts(nn.Module):
         self.forward_timeout, self.timeout_after_k_min = forward_timeout, timeout_after_k_min
         self.backward_k_min, self.backward_timeout = backward_k_min, backward_timeout
         self.allow_zero_outputs, self.detect_anomalies = allow_zero_outputs, detect_anomalies
-        self.checkpoint, self.gate_noise = checkpoint, gate_noise
+        self.checkpoint, self.gate_noise, self.mode = checkpoint, gate_noise, mode
         self.out_shape: Optional[Tuple[int, ...]] = None if out_features is None else (out_features,)
         self.expert_stats = StatsBook(len(experts))
 
@@ -188,17 +198,21 @@ class MixtureOfExperts(nn.Module):
         inputs = dispatch(flat, [routing.tokens[e] for e in active])
 
         sizes = [len(routing.tokens[e]) for e in active]
-        calls, group = start_calls(
-            [self.experts[e] for e in active],
-            inputs,
-            checkpoint=self.checkpoint,
-            check_finite_grads=self.detect_anomalies, name="MixtureOfExperts",
-            labels=[f"expert {e}" for e in active],
-            validate=lambda call: self._validate(call, sizes[call.index]),
-        )
-        started = time.monotonic()
-        ok = gather(group, [routing.tokens[e] for e in active], num_tokens, self.k_min,
-                    self.forward_timeout, self.timeout_after_k_min)
+        modules = [self.experts[e] for e in active]
+        decision, lanes = self._decide(modules)
+        with Measure(site_of(modules), len(modules), decision) as measure:
+            calls, group = start_calls(
+                modules,
+                inputs,
+                checkpoint=self.checkpoint,
+                check_finite_grads=self.detect_anomalies, name="MixtureOfExperts",
+                labels=[f"expert {e}" for e in active],
+                validate=lambda call: self._validate(call, sizes[call.index]),
+                lanes=lanes, measure=measure,
+            )
+            started = time.monotonic()
+            ok = gather(group, [routing.tokens[e] for e in active], num_tokens, self.k_min,
+                        self.forward_timeout, self.timeout_after_k_min)
         self._record_forward(active, group, ok, started)
 
         answered = torch.zeros(num_tokens, self.k, dtype=torch.bool, device=flat.device)
@@ -219,7 +233,8 @@ class MixtureOfExperts(nn.Module):
         survivors = [(e, calls[i]) for i, e in enumerate(active) if ok[i]]
         policy = BackwardPolicy(self.backward_timeout, tolerate_failures=True,
                                 check=self._backward_check(survivors, routing.tokens, answered))
-        outputs = finish_calls([c for _, c in survivors], policy, name="MixtureOfExperts")
+        outputs = finish_calls([c for _, c in survivors], policy, name="MixtureOfExperts",
+                               lanes=lanes)
         if outputs:
             self.out_shape = tuple(outputs[0].shape[1:])
         out_shape = self.out_shape or (self.in_features,)
@@ -245,6 +260,16 @@ class MixtureOfExperts(nn.Module):
         if self.return_router_logits:
             results.append(logits)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _decide(self, modules: Sequence[nn.Module]) -> Tuple[Decision, Optional[int]]:
+        """The execution mode of this step's calls, and their lanes (None:
+        one worker each)."""
+        n = len(modules)
+        if self.forward_timeout is not None or self.timeout_after_k_min is not None \
+                or self.backward_timeout is not None:
+            return Decision(PARALLEL, n, "deadlines"), None
+        decision = choose(site_of(modules), n, self.mode)
+        return decision, (None if decision.mode == PARALLEL else decision.lanes)
 
     def _router_logits(self, flat: Tensor) -> Tensor:
         """The gate's ``[tokens, E]`` logits, in ``router_dtype`` if set."""
