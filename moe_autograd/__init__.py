@@ -31,6 +31,7 @@ from .autograd import (
 )
 from .checkpoint import is_checkpointing, is_recomputing
 from .parallel import parallel_apply, recompute_early
+from .policy import execution_stats
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .moe import MixtureOfExperts, NotEnoughExperts, run_experts
@@ -45,6 +46,7 @@ __all__ = [
     "recompute_early",
     "is_checkpointing",
     "is_recomputing",
+    "execution_stats",
     "MixtureOfExperts",
     "NotEnoughExperts",
     "run_experts",
