@@ -44,7 +44,7 @@ from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
 from .tls import CallerState, bind
 
-__all__ = ["ModuleCall", "Expert", "call_inline"]
+__all__ = ["ModuleCall", "Expert", "call_inline", "ForeignGraphError"]
 
 Expert = Callable[..., Any]
 
@@ -59,9 +59,35 @@ def _device_of(module: Expert, leaves: Sequence[Any]) -> torch.device:
     return torch.device("cpu")
 
 
-def _graph_leaves(outputs: Sequence[Tensor], known: Set[int]) -> List[Tensor]:
+_PROBE = torch.empty(0, requires_grad=True)
+
+
+def _next_sequence_nr() -> Optional[int]:
+    """The sequence number the next autograd node made on this thread gets
+    (PyTorch numbers nodes per thread); None where no graph is recorded."""
+    if torch.is_inference_mode_enabled():
+        return None
+    with torch.enable_grad():
+        node = _PROBE.view(0).grad_fn
+    return None if node is None else int(node._sequence_nr()) + 1
+
+
+class ForeignGraphError(RuntimeError):
+    """A call's graph reaches into its caller's graph through a tensor it did
+    not receive as an argument."""
+
+
+def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
+                  made: Optional[Tuple[int, int]] = None, name: str = "call") -> List[Tensor]:
     """Every leaf tensor that requires grad under ``outputs``' graphs, other
-    than those whose ``id`` is in ``known``, in a stable order."""
+    than those whose ``id`` is in ``known``, in a stable order.
+
+    ``made`` is the range of sequence numbers of the nodes the call made (on
+    its thread): a non-leaf node outside it belongs to another graph, the
+    caller's, which a closure over a non-leaf tensor reaches. Its gradient
+    would be computed here, inside the call's backward, where hooks on that
+    tensor would see partial gradients: that raises instead.
+    """
     seen: Set[Any] = set()
     leaves: List[Tensor] = []
     for o in outputs:  # an output may be a leaf itself (an expert returning a weight)
@@ -80,6 +106,11 @@ def _graph_leaves(outputs: Sequence[Tensor], known: Set[int]) -> List[Tensor]:
                 known.add(id(variable))
                 leaves.append(variable)
             continue
+        if made is not None and not made[0] <= fn._sequence_nr() < made[1]:
+            raise ForeignGraphError(
+                f"{name}: the expert differentiates into its caller's graph through a tensor "
+                f"it did not receive as an argument (a closure over a non-leaf tensor, reached "
+                f"at {fn.name()}); pass that tensor as an input of the call")
         stack.extend(next_fn for next_fn, _ in reversed(fn.next_functions))
     return leaves
 
@@ -129,6 +160,7 @@ class ModuleCall(IsolatedCall):
         self.state = state
         self.saves = None if (self.checkpoint or state is None) else state.saves()
         self._lock = threading.Lock()
+        self._made: Optional[Tuple[int, int]] = None  # sequence numbers of the nodes it made
         self._recompute: Optional[TaskGroup[None]] = None
         self._local_outputs: Optional[List[Tensor]] = None
         self.outputs: List[Tensor] = []
@@ -146,8 +178,11 @@ class ModuleCall(IsolatedCall):
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
         else:
+            first = _next_sequence_nr() if torch.is_grad_enabled() else None
             with self.rng.activate():
                 result = self._call()
+            last = _next_sequence_nr() if first is not None else None
+            self._made = None if first is None or last is None else (first, last)
         out_leaves, self._out_spec = tree_flatten(result)
         self._out_leaves = out_leaves
         self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
@@ -182,7 +217,8 @@ class ModuleCall(IsolatedCall):
             self.params = self._declared_params()
         else:
             differentiable = [o for o in self.outputs if o.requires_grad]
-            self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)))
+            self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
+                                        self._made, self.name)
         self.inputs = self.inputs + self.params
 
     @property

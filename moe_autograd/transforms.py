@@ -19,19 +19,17 @@ The entry points are also opaque to ``torch.compile``
 (:func:`opaque_to_dynamo`): dynamo would otherwise trace into the pool's
 threads and finalizers; it breaks the graph around them instead.
 
-Invariants: outside those modes :func:`sequential_mode` costs two attribute
-reads and never looks at the tensors; :func:`opaque_to_dynamo` never imports
+Invariants: :func:`sequential_mode` costs two attribute reads and never
+looks at the tensors; :func:`opaque_to_dynamo` never imports
 dynamo itself (seconds of import time), it only uses it once something else
 has.
 """
 import functools
 import sys
-from typing import Any, Callable, Dict, Iterator, Optional, TypeVar
+from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
-from torch import Tensor, nn
 from torch.autograd import forward_ad
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["sequential_mode", "check_parallel_mode", "functorch_active", "opaque_to_dynamo"]
 
@@ -62,24 +60,16 @@ def functorch_active() -> bool:
     return torch._C._functorch.peek_interpreter_stack() is not None
 
 
-def _tensors(tree: Any) -> Iterator[Tensor]:
-    for leaf in tree_flatten(tree)[0]:
-        if isinstance(leaf, Tensor):
-            yield leaf
-        elif isinstance(leaf, nn.Module):
-            yield from leaf.parameters()
-            yield from leaf.buffers()
-
-
 def sequential_mode(tree: Any) -> Optional[str]:
-    """The name of the mode that forces sequential calls for these arguments
-    (tensors, modules, nested in lists/tuples/dicts), or None."""
+    """The name of the mode that forces sequential calls, or None. ``tree``
+    (the calls' arguments and experts) is kept for modes that would depend on
+    them; the current ones do not."""
     if functorch_active():
         return "torch.func transforms (grad, vjp, jvp, vmap)"
     if forward_ad._current_level >= 0:
-        for t in _tensors(tree):
-            if forward_ad.unpack_dual(t).tangent is not None:
-                return "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp)"
+        # Inside a dual level, whatever the arguments: an expert may close
+        # over a dual tensor that no argument shows.
+        return "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp)"
     return None
 
 
