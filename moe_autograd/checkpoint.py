@@ -27,11 +27,20 @@ uses, and :class:`Checkpoint` (reached through ``fork``) always runs after it.
 
 Invariants:
 
+* Randomness: by default the call draws through a :class:`~moe_autograd.rng.
+  ReplayRng`, so a checkpointed call computes exactly what the plain call
+  computes: the same numbers from the same generators (the enclosing call's
+  stream inside a runtime call, the default generators on an ordinary thread),
+  which it leaves where the plain call would (``torch.utils.checkpoint``'s
+  contract). Its forward draws from private copies of those generators and
+  :class:`Recompute` replays them from the recorded states, so the
+  recomputation is exact even while other threads draw random numbers. A
+  :class:`~moe_autograd.rng.CallRng` passed in is used instead.
 * :class:`Recompute` reruns the function on detached copies of the saved
-  inputs, under the same :class:`~moe_autograd.rng.CallRng` stream and autocast
-  state as the forward, so it rebuilds the exact forward values even while
-  other threads draw random numbers; it stores ``(output, input_leaf)`` in a
-  one-slot deque that :meth:`Checkpoint.backward` pops.
+  inputs, under the same random stream and autocast state as the forward
+  (captured in forward, whatever the autocast state at backward time); it
+  stores ``(output, input_leaf)`` in a one-slot deque that
+  :meth:`Checkpoint.backward` pops.
 * :class:`Checkpoint` takes a phony that requires grad, so parameters inside
   the function get gradients even when no input requires grad.
 * Gradients reach parameters by a re-entrant ``torch.autograd.backward``, as in
@@ -50,7 +59,7 @@ from torch import Tensor
 from .dependency import fork, join
 from .microbatch import Batch
 from .phony import get_phony
-from .rng import CallRng
+from .rng import CallRng, RandomStream, ReplayRng
 
 __all__ = [
     "checkpoint", "Checkpointing", "Checkpoint", "Recompute", "AutocastState",
@@ -139,7 +148,7 @@ def capture_autocast_state() -> AutocastState:
 
 @dataclass(frozen=True)
 class _CallState:
-    rng: CallRng
+    rng: RandomStream
     autocast: AutocastState
 
 
@@ -159,13 +168,16 @@ def checkpoint(function: Function, input: Any) -> Any:
 class Checkpointing:
     """Generates a pair of :class:`Checkpoint` and :class:`Recompute`.
 
-    ``rng`` is the call's random stream; by default it is forked from the
-    default generator in :meth:`checkpoint`. A runtime that starts calls from
-    several threads should fork them in a fixed order and pass them in, to keep
-    runs reproducible under :func:`torch.manual_seed`.
+    ``rng`` is the call's random stream. By default (None) :meth:`checkpoint`
+    makes a :class:`~moe_autograd.rng.ReplayRng`: the call draws exactly what
+    the plain call would draw (from the enclosing stream, or from the default
+    generators on an ordinary thread) and its recomputation replays it. A
+    runtime that wants a private stream per call passes a
+    :class:`~moe_autograd.rng.CallRng` forked in a fixed order.
     """
 
-    def __init__(self, function: Function, batch: Batch, rng: Optional[CallRng] = None) -> None:
+    def __init__(self, function: Function, batch: Batch,
+                 rng: Optional[Union[CallRng, ReplayRng]] = None) -> None:
         self.function = function
         self.batch = batch
         self.rng = rng
@@ -176,7 +188,7 @@ class Checkpointing:
     def checkpoint(self) -> Batch:
         """Returns the output batch of :class:`Checkpoint` applied to the batch."""
         if self.rng is None:
-            self.rng = CallRng.fork()
+            self.rng = ReplayRng()
         try:
             device = self.batch.get_device()
         except TypeError:
@@ -224,7 +236,7 @@ class Checkpoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, phony: Tensor, recomputed: Deque[Recomputed],  # type: ignore[override]
-                states: Deque[_CallState], rng: CallRng, function: Function,
+                states: Deque[_CallState], rng: RandomStream, function: Function,
                 input_atomic: bool, *inputs: Any) -> TensorOrTensors:
         ctx.recomputed = recomputed
         ctx.num_inputs = len(inputs)

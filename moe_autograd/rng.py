@@ -1,75 +1,128 @@
-"""Per-call random number generation that recomputation can replay exactly.
+"""Per-call random streams that recomputation can replay exactly, at no cost to
+ops that draw nothing.
 
 Why
 ---
 A checkpointed call runs its function twice: once in forward (without saving
 activations) and once more in backward to rebuild them. Both runs must draw the
 *same* random numbers, or the recomputed dropout mask differs from the one the
-forward output was computed with and the gradients are silently wrong.
+forward output was computed with and the gradients are silently wrong. And the
+runtime runs many calls at once on several threads: if they all drew from the
+global generator, results would depend on thread interleaving.
 
 ``torch.utils.checkpoint`` saves the global generator state before the forward
-and restores it around the recomputation. That is not enough here: the runtime
-runs many calls at once on several threads, and they all draw from the same
-global generator. Between "save" and "draw", another thread may draw first, so
-the forward sees a shifted stream; and restoring the state during a
-recomputation rewinds the generator under every other thread's feet.
+and restores it around the recomputation. That is not enough here: between
+"save" and "draw", another thread may draw first, so the forward sees a
+shifted stream; and restoring the state during a recomputation rewinds the
+generator under every other thread's feet.
 
 How
 ---
-Each call gets a :class:`CallRng`: a 64-bit seed, forked from the default CPU
-generator (so a whole run stays reproducible under :func:`torch.manual_seed`).
-``with rng.activate():`` pushes a :class:`~torch.utils._python_dispatch.
-TorchDispatchMode` that sees every aten op issued *on this thread* and routes
-each random op to private :class:`torch.Generator`\\ s seeded from that seed,
-one per device, created fresh on every entry:
+A *stream* is active on a thread inside ``with stream.activate():``. Two kinds:
 
-* ops whose schema has a ``generator`` argument left at ``None`` (``bernoulli_``
-  behind ``F.dropout``, ``normal_``, ``uniform_``, ``exponential_`` behind
-  ``F.gumbel_softmax``, ``multinomial``, ``rrelu_with_noise``, ...) get the
-  private generator of their device;
-* seeded ops without one (``rand``, ``randn``, ``randint``, ``randperm``,
-  ``rand_like``, ``randn_like``, ``randint_like``) are redirected to their
-  ``generator`` overload;
-* ``native_dropout`` (the fused dropout used on CUDA) is rewritten as a
-  ``bernoulli_`` mask drawn from the private generator;
-* any other seeded op that would really draw (an attention kernel or cuDNN RNN
-  with dropout) raises :class:`RuntimeError` naming the op: the mode never lets
-  an op fall back to the global generator silently. The same ops with a zero
-  dropout probability, ``train=False``, or in their ``*_backward`` form (which
-  replay saved state) pass through.
+* :class:`CallRng`: a 64-bit seed, forked from the default CPU generator in
+  call order (so a whole run stays reproducible under
+  :func:`torch.manual_seed`). Every activation draws the same numbers from
+  private generators seeded afresh by it, one per device.
+* :class:`ReplayRng`: what :func:`~moe_autograd.checkpoint.checkpoint` uses.
+  Its first activation draws what the code would have drawn without it, from
+  private copies of the generators the thread would have used (the enclosing
+  stream's, or the default generators), and advances those generators as the
+  code would have; every later activation replays these numbers from the
+  recorded states. So a checkpointed call computes exactly what the plain call
+  computes, and its recomputation replays exactly whatever other threads draw.
 
-Dispatch modes are thread-local, so other threads are unaffected and keep using
-the global generator.
+Routing costs nothing for ops that draw nothing. Python kernels are registered
+for every aten op tagged ``torch.Tag.nondeterministic_seeded`` on one dispatch
+key (:data:`DISPATCH_KEY`) that nothing else in PyTorch uses, with a
+fallthrough for every other op; :meth:`activate` turns the key on in this
+thread's dispatch TLS. An op that draws nothing skips the key inside the C++
+dispatcher (no Python); a random op reaches its kernel, which:
 
-Invariant
----------
-The same seed and the same sequence of random ops on the activating thread give
-the same values, whatever other threads draw meanwhile. The global generators
-are neither read nor advanced inside :meth:`CallRng.activate`.
-:meth:`CallRng.fork` called inside an active call draws from that call's stream,
-so a nested call gets the same seed again when its parent is recomputed.
+* passes the active stream's generator for the op's device to ops whose schema
+  has a ``generator`` argument left at ``None`` (``bernoulli_`` behind
+  ``F.dropout``, ``normal_``, ``uniform_``, ``exponential_`` behind
+  ``F.gumbel_softmax``, ``multinomial``, ``rrelu_with_noise``, ...), then
+  redispatches past the key;
+* redirects seeded ops without one (``rand``, ``randn``, ``randint``,
+  ``randperm``, ``rand_like``, ``randn_like``, ``randint_like``, their ``out``
+  forms) to their ``generator`` overload, run with the key off (everything
+  it draws comes from the generator it was given, so it needs no second hop);
+* rewrites ``native_dropout`` (the fused dropout ``F.dropout`` uses on CUDA)
+  as ``_fused_dropout`` with the stream's generator on CUDA, as a
+  ``bernoulli_`` mask elsewhere;
+* raises :class:`RuntimeError` naming the op for any other seeded op that would
+  really draw (an attention kernel or cuDNN RNN with dropout): nothing ever
+  falls back to the global generator silently. The same ops with a zero dropout
+  probability, ``train=False``, on the meta device, or in their ``*_backward``
+  form (which replay saved state) pass through. Composite ops (``dropout``,
+  ``scaled_dot_product_attention``, ``lstm``) are not intercepted: they reach
+  the key again through the ops they decompose into.
+
+The key sits above autograd, autocast, functorch and the Python key (only the
+tracing keys PreDispatch and PythonDispatcher come first), so a random op is
+routed before autograd, autocast, functorch or ``__torch_dispatch__`` see it;
+they see the op with its generator filled in.
+
+Invariants
+----------
+* The same stream and the same sequence of random ops on the activating thread
+  give the same values, whatever other threads draw meanwhile.
+* Inside :meth:`CallRng.activate` the global generators are neither read nor
+  advanced. Inside the first :meth:`ReplayRng.activate` they are read at the
+  first draw per device and advanced once, at exit, to where the plain code
+  would have left them (unless another thread drew from them meanwhile: then
+  they are left as that thread left them).
+* The innermost activation on a thread rules; leaving it restores the outer one
+  and the thread's dispatch state.
+* :meth:`CallRng.fork` inside an active stream draws from that stream, so a
+  nested call gets the same seed again when its parent is recomputed.
+* A seeded op that the router cannot route raises instead of drawing from a
+  global generator.
 
 Limits
 ------
-Random ops issued from threads that the call itself spawns are not covered
-(they draw from the global generator), nor are kernels that consult a global
-generator without an aten op (custom C++/CUDA extensions). Ops that pass an
-explicit ``generator`` keep it.
+* Only the activating thread is routed. Random ops on threads the call starts
+  itself draw from the global generators. Threads that inherit PyTorch's
+  dispatch TLS but not Python's (autograd engine device threads running a
+  backward started inside an activation, ``torch.jit.fork`` tasks) raise on a
+  random op.
+* Kernels that consult a global generator without a seeded aten op (custom
+  C++/CUDA extensions) are not covered, nor are seeded ops registered after
+  this module is imported (only ``aten`` is scanned). Ops that pass an explicit
+  ``generator`` keep it.
+* While ops are recorded into a graph (``make_fx``, AOTAutograd under
+  ``torch.compile``) random ops keep ``generator=None``: the graph is routed
+  when it runs, to whatever stream is active then.
+* ``torch.utils.checkpoint`` *inside* a call restores the global generator's
+  state for its recomputation, not this stream's; use
+  :func:`moe_autograd.checkpoint.checkpoint` there.
+* :data:`DISPATCH_KEY` is ``TESTING_ONLY_GenericMode``, which PyTorch reserves
+  for its own C++ tests: a process that registers kernels on it elsewhere
+  conflicts with this module (registration fails at import).
 """
 import threading
 import zlib
-from contextlib import contextmanager
-from typing import Any, Dict, Generator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.library import Library, fallthrough_kernel
 
-__all__ = ["CallRng"]
+__all__ = ["CallRng", "ReplayRng", "RandomStream", "active_stream", "routed_ops", "DISPATCH_KEY"]
 
 _MASK64 = (1 << 64) - 1
-_fork_lock = threading.Lock()
+
+#: The dispatch key random ops are routed on, while a stream is active.
+DISPATCH_KEY = "TESTING_ONLY_GenericMode"
+# The key has no name in torch._C.DispatchKey; parse it from its name (the
+# constructor accepts a string, the stubs do not say so).
+_KEY = torch._C.DispatchKeySet(DISPATCH_KEY).highestPriorityTypeId()  # type: ignore[arg-type]
+_is_included = torch._C._dispatch_tls_is_dispatch_key_included
+_is_excluded = torch._C._dispatch_tls_is_dispatch_key_excluded
+_set_included = torch._C._dispatch_tls_set_dispatch_key_included
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_CPU = torch.device("cpu")
 
 
 def _mix64(value: int) -> int:
@@ -80,8 +133,91 @@ def _mix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: List["_Activation"] = []
+        self.seed_buffer: Optional[Tensor] = None  # CallRng.fork draws into it
+        # Generators of finished activations, reseeded (or given a state) before
+        # any reuse: creating one costs more than seeding it.
+        self.spare: Dict[torch.device, List[torch.Generator]] = {}
+
+
+_SPARE_PER_DEVICE = 4
+_DEVICE_CODES: Dict[torch.device, int] = {}  # per-device seed salt, see CallRng._generator
+
+
+def _new_generator(device: torch.device) -> torch.Generator:
+    spare = _local.spare.get(device)
+    return spare.pop() if spare else torch.Generator(device=device)
+
+
+_local = _Local()
+
+RandomStream = Union["CallRng", "ReplayRng"]
+
+
+def active_stream() -> Optional[RandomStream]:
+    """The stream of the innermost activation on this thread, if any."""
+    stack = _local.stack
+    return stack[-1].stream if stack else None
+
+
+class _Activation:
+    """One ``with stream.activate():``. Holds the generators it created."""
+
+    __slots__ = ("stream", "outer", "generators", "drew", "capture", "_saved")
+
+    def __init__(self, stream: RandomStream) -> None:
+        self.stream = stream
+        self.outer: Optional[_Activation] = None
+        self.generators: Dict[torch.device, torch.Generator] = {}
+        self.drew = False
+        #: For the capturing activation of a ReplayRng: device -> (source, state).
+        self.capture: Optional[Dict[torch.device, Tuple[torch.Generator, Tensor]]] = None
+        self._saved = (False, False)
+
+    def __enter__(self) -> None:
+        stack = _local.stack
+        self.outer = stack[-1] if stack else None
+        self.stream._opened(self)
+        self._saved = (_is_included(_KEY), _is_excluded(_KEY))
+        stack.append(self)
+        _set_included(_KEY, True)
+        if self._saved[1]:
+            _set_excluded(_KEY, False)
+
+    def __exit__(self, *exc: Any) -> None:
+        included, excluded = self._saved
+        _set_included(_KEY, included)
+        if excluded:
+            _set_excluded(_KEY, True)
+        stack = _local.stack
+        if stack and stack[-1] is self:
+            stack.pop()
+        else:  # exited out of order (a generator-based context closed late)
+            stack.remove(self)
+        self.stream._closed(self)
+        spares = _local.spare
+        for device, gen in self.generators.items():
+            spare = spares.setdefault(device, [])
+            if len(spare) < _SPARE_PER_DEVICE:
+                spare.append(gen)
+        self.generators = {}
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        """This activation's generator for ``device``; marks it as drawn from."""
+        self.drew = True
+        gen = self.generators.get(device)
+        if gen is None:
+            if device.type == "cuda" and device.index is None:
+                return self.generator(torch.device("cuda", torch.cuda.current_device()))
+            gen = self.stream._generator(device, self)
+            self.generators[device] = gen
+        return gen
+
+
 class CallRng:
-    """The random stream of one call: a seed, replayed by :meth:`activate`."""
+    """The random stream of one call: a seed, replayed by every :meth:`activate`."""
 
     __slots__ = ("seed", "drew")
 
@@ -95,161 +231,363 @@ class CallRng:
     @classmethod
     def fork(cls, generator: Optional[torch.Generator] = None) -> "CallRng":
         """Draws a fresh 64-bit seed from ``generator`` (default: the default
-        CPU generator, or the active call's stream if this thread is in one)."""
-        with _fork_lock:
-            seed = torch.empty((), dtype=torch.int64).random_(-(1 << 63), None, generator=generator)
-        return cls(int(seed.item()))
+        CPU generator, or the active stream if this thread is in one)."""
+        buffer = _local.seed_buffer
+        if buffer is None:
+            buffer = _local.seed_buffer = torch.empty((), dtype=torch.int64)
+        return cls(int(buffer.random_(-(1 << 63), None, generator=generator).item()))
 
-    @contextmanager
-    def activate(self) -> Generator[None, None, None]:
-        """Routes this thread's random ops to generators seeded by :attr:`seed`."""
-        mode = _CallRngMode(self.seed)
-        try:
-            with mode:
-                yield
-        finally:
-            self.drew = mode.drew
+    def activate(self) -> _Activation:
+        """Context manager: routes this thread's random ops to generators
+        seeded by :attr:`seed` (fresh ones on every entry)."""
+        return _Activation(self)
+
+    def _opened(self, activation: _Activation) -> None:
+        pass
+
+    def _generator(self, device: torch.device, activation: _Activation) -> torch.Generator:
+        code = _DEVICE_CODES.get(device)
+        if code is None:
+            code = _DEVICE_CODES[device] = zlib.crc32(f"{device.type}:{device.index}".encode())
+        gen = _new_generator(device)
+        gen.manual_seed(_mix64(self.seed ^ code))
+        return gen
+
+    def _closed(self, activation: _Activation) -> None:
+        self.drew = activation.drew
 
     def __repr__(self) -> str:
         return f"CallRng(seed={self.seed:#018x})"
 
 
-# Per-op decisions, computed once per OpOverload.
-_ROUTE = "route"        # has a `generator` argument
-_SIBLING = "sibling"    # redirect to the overload that takes a generator
-_DROPOUT = "dropout"    # aten.native_dropout: rewritten
-_GUARD = "guard"        # cannot be routed: raise unless it draws nothing
-_plans: Dict[Any, Tuple[str, Any]] = {}
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        torch.cuda.init()
+        index = torch.cuda.current_device() if device.index is None else device.index
+        return torch.cuda.default_generators[index]
+    raise RuntimeError(f"moe_autograd.rng.ReplayRng: no default generator known for {device}")
 
 
-def _arg_names(op: Any) -> List[str]:
-    return [a.name for a in op._schema.arguments]
+class ReplayRng:
+    """The stream the thread would draw from anyway, recorded so that it can
+    be replayed: what a checkpointed call uses so that it computes exactly
+    what the plain call computes.
 
+    The first :meth:`activate` (the forward) draws, per device, from a private
+    copy of the enclosing stream's generator (or of the default generator when
+    no stream is active) taken at its first draw there, and at exit advances
+    that generator to where the copy ended, as the plain code would have (a
+    default generator is left alone if another thread drew from it meanwhile).
+    Every later :meth:`activate` replays the same numbers from the recorded
+    states, touching no other generator.
+    """
 
-def _plan(func: Any) -> Tuple[str, Any]:
-    plan = _plans.get(func)
-    if plan is None:
-        names = _arg_names(func)
-        if "generator" in names:
-            plan = (_ROUTE, None)
-        elif func in (torch.ops.aten.native_dropout.default, torch.ops.aten.native_dropout.out):
-            plan = (_DROPOUT, None)
+    __slots__ = ("drew", "_states", "_capturing")
+
+    def __init__(self) -> None:
+        #: Whether the last :meth:`activate` drew (None before the first).
+        self.drew: Optional[bool] = None
+        self._states: Optional[Dict[torch.device, Tensor]] = None
+        self._capturing = False
+
+    @property
+    def captured(self) -> bool:
+        """Whether the first activation (the one that records) has ended."""
+        return self._states is not None
+
+    def activate(self) -> _Activation:
+        """Context manager: the first entry records, every later one replays."""
+        return _Activation(self)
+
+    def _opened(self, activation: _Activation) -> None:
+        if self._states is None:
+            if self._capturing:
+                raise RuntimeError("ReplayRng activated again before its first activation ended")
+            self._capturing = True
+            activation.capture = {}
+
+    def _generator(self, device: torch.device, activation: _Activation) -> torch.Generator:
+        if activation.capture is not None:
+            outer = activation.outer
+            source = outer.generator(device) if outer is not None else _default_generator(device)
+            state = source.get_state()
+            activation.capture[device] = (source, state)
         else:
-            plan = (_GUARD, None)
-            wanted = set(names) | {"generator"}
-            for overload in func.overloadpacket.overloads():
-                sibling = getattr(func.overloadpacket, overload)
-                if set(_arg_names(sibling)) == wanted:
-                    plan = (_SIBLING, sibling)
-                    break
-        _plans[func] = plan
-    return plan
+            assert self._states is not None
+            found = self._states.get(device)
+            if found is None:
+                raise RuntimeError(
+                    f"a replay of a checkpointed call draws random numbers on {device}, where its "
+                    "forward drew none: the function is not deterministic given its inputs and "
+                    "its random stream, so it cannot be recomputed exactly")
+            state = found
+        gen = _new_generator(device)
+        gen.set_state(state)
+        return gen
+
+    def _closed(self, activation: _Activation) -> None:
+        self.drew = activation.drew
+        capture = activation.capture
+        if capture is None:
+            return
+        for device, (source, state) in capture.items():
+            # Advance the source as the plain code would have, unless another
+            # thread drew from it meanwhile (then leave its draws in place).
+            if torch.equal(source.get_state(), state):
+                source.set_state(activation.generators[device].get_state())
+        self._states = {device: state for device, (_, state) in capture.items()}
+        self._capturing = False
+
+    def __repr__(self) -> str:
+        devices = "not recorded" if self._states is None else sorted(map(str, self._states))
+        return f"ReplayRng({devices})"
 
 
-def _bind(op: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    values = {a.name: v for a, v in zip(op._schema.arguments, args)}
-    values.update(kwargs)
-    return values
+# -- the router -----------------------------------------------------------------------
+
+def _no_stream(op: Any) -> "_Activation":
+    raise RuntimeError(
+        f"{op} ran with moe_autograd's random-number routing switched on in PyTorch's dispatch "
+        "state, but no stream is active on this Python thread: the thread inherited the "
+        "dispatch state (an autograd engine device thread running a backward started inside "
+        "CallRng.activate(), or a torch.jit.fork task). Start the backward outside the "
+        "activation, or draw on the activating thread.")
 
 
-def _call(op: Any, values: Dict[str, Any]) -> Any:
-    args: List[Any] = []
-    kwargs: Dict[str, Any] = {}
-    positional = True
-    for arg in op._schema.arguments:
-        if arg.name not in values:
-            positional = False
-        elif positional and not arg.kwarg_only:
-            args.append(values[arg.name])
-        else:
-            kwargs[arg.name] = values[arg.name]
-    return op(*args, **kwargs)
+_get_mode = torch._C._get_dispatch_mode
+_PROXY = torch._C._TorchDispatchModeKey.PROXY
 
 
-def _device_of(values: Dict[str, Any]) -> torch.device:
-    device = values.get("device")
+def _tracing() -> bool:
+    """Whether ops are being recorded into a graph (make_fx, AOTAutograd under
+    torch.compile): the graph must keep ``generator=None``, so that it is routed
+    when it runs, rather than hold on to the generator of one activation."""
+    return _get_mode(_PROXY) is not None
+
+
+def _stream_generator(op: Any, device: torch.device) -> torch.Generator:
+    """The generator of the innermost activation on this thread for ``device``."""
+    stack = _local.stack
+    activation = stack[-1] if stack else _no_stream(op)
+    gen = activation.generators.get(device)
+    if gen is None:
+        return activation.generator(device)
+    activation.drew = True
+    return gen
+
+
+def _device_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.device:
+    device = kwargs.get("device")
     if device is not None:
-        return torch.device(device)
-    for leaf in tree_leaves(list(values.values())):
-        if isinstance(leaf, Tensor):
-            return leaf.device
-    return torch.device("cpu")
+        return device if isinstance(device, torch.device) else torch.device(device)
+    for value in args:
+        if isinstance(value, Tensor):
+            return value.device
+    for value in kwargs.values():
+        if isinstance(value, Tensor):
+            return value.device
+    return _CPU
 
 
-def _draws_nothing(func: Any, values: Dict[str, Any]) -> bool:
-    if func.overloadpacket.__name__.endswith("_backward"):
-        return True  # replays the philox seed/offset saved by its forward
-    given = {a.name: a.default_value for a in func._schema.arguments if a.has_default_value()}
-    given.update(values)
-    if given.get("train", True) is False:
-        return True
-    probabilities = [given[k] for k in ("dropout_p", "dropout") if k in given]
-    return bool(probabilities) and all(p == 0 for p in probabilities)
+def _excluded(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Calls ``fn`` with the key off: for ops given an explicit generator
+    (they draw from it), so that they skip the pass-through hop."""
+    _set_excluded(_KEY, True)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _set_excluded(_KEY, False)
 
 
-def _native_dropout(input: Tensor, p: float, train: Optional[bool], gen: torch.Generator) -> Tuple[Tensor, Tensor]:
-    if train is False:
-        return input.clone(), torch.ones_like(input, dtype=torch.bool)
+Kernel = Callable[..., Any]
+
+
+def _route(op: Any) -> Kernel:
+    """Ops with a ``generator`` argument: fill it in when left at None."""
+    redispatch = op._handle.redispatch_boxed
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    gen_at = names.index("generator")
+    if arguments[gen_at].kwarg_only:
+        def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("generator") is None:
+                device = _device_of(args, kwargs)
+                if device.type != "meta" and not _tracing():
+                    kwargs["generator"] = _stream_generator(op, device)
+            return redispatch(keyset.remove(_KEY), *args, **kwargs)
+        return kernel
+
+    # `generator` is positional (poisson, binomial, rrelu_with_noise, ...); the
+    # dispatcher leaves trailing defaults out, so fill them back in.
+    defaults = tuple(a.default_value if a.has_default_value() else None for a in arguments[:gen_at])
+
+    def positional(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(args) <= gen_at or args[gen_at] is None:
+            device = _device_of(args, kwargs)
+            if device.type != "meta" and not _tracing():
+                gen = _stream_generator(op, device)
+                head = args[:gen_at] + defaults[len(args):]
+                args = head + (gen,) + args[gen_at + 1:]
+        return redispatch(keyset.remove(_KEY), *args, **kwargs)
+    return positional
+
+
+def _sibling(op: Any, sibling: Any) -> Kernel:
+    """Seeded ops without a generator: call the overload that takes one."""
+    redispatch = op._handle.redispatch_boxed
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        device = _device_of(args, kwargs)
+        if device.type == "meta" or _tracing():
+            return redispatch(keyset.remove(_KEY), *args, **kwargs)
+        kwargs["generator"] = _stream_generator(op, device)
+        return _excluded(sibling, *args, **kwargs)
+    return kernel
+
+
+def _native_dropout(input: Tensor, p: float, gen: torch.Generator) -> Tuple[Tensor, Tensor]:
     keep = 1.0 - p
+    if input.is_cuda and 0.0 < p < 1.0 and input.numel() > 0:
+        # the fused kernel native_dropout uses, with a generator argument
+        out, mask = torch.ops.aten._fused_dropout.default(input, keep, gen)
+        return out, mask.to(torch.bool)
     scale = 0.0 if keep == 0 else 1.0 / keep
     mask = torch.empty_like(input, memory_format=torch.contiguous_format).bernoulli_(keep, generator=gen)
     return input.mul(mask).mul_(scale), mask.to(torch.bool)
 
 
-class _CallRngMode(TorchDispatchMode):
-    """Dispatch mode behind :meth:`CallRng.activate` (one per activation)."""
+def _dropout(op: Any) -> Kernel:
+    """``native_dropout(input, p, train)`` (and its ``out`` form) rewritten to
+    draw its mask from the stream."""
+    redispatch = op._handle.redispatch_boxed
 
-    def __init__(self, seed: int) -> None:
-        super().__init__()
-        self.seed = seed
-        self.generators: Dict[torch.device, torch.Generator] = {}
-        self.lock = threading.Lock()
-        self.drew = False
+    def kernel(keyset: Any, input: Tensor, p: float, train: Optional[bool], **kwargs: Any) -> Any:
+        if train is False or input.device.type == "meta" or _tracing():
+            return redispatch(keyset.remove(_KEY), input, p, train, **kwargs)
+        out, mask = _excluded(_native_dropout, input, p, _stream_generator(op, input.device))
+        if "out0" not in kwargs:
+            return out, mask
+        out0, out1 = kwargs["out0"], kwargs["out1"]
+        out0.resize_(out.shape).copy_(out)
+        out1.resize_(mask.shape).copy_(mask)
+        return out0, out1
+    return kernel
 
-    def generator(self, device: torch.device) -> torch.Generator:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        with self.lock:
-            gen = self.generators.get(device)
-            if gen is None:
-                code = zlib.crc32(f"{device.type}:{device.index}".encode())
-                gen = torch.Generator(device=device)
-                gen.manual_seed(_mix64(self.seed ^ code))
-                self.generators[device] = gen
-            return gen
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Tuple[Any, ...] = (),
-                           kwargs: Optional[Dict[str, Any]] = None) -> Any:
-        kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded not in func.tags:
-            return func(*args, **kwargs)
-        kind, sibling = _plan(func)
-        values = _bind(func, args, kwargs)
-        if kind == _ROUTE and values.get("generator") is not None:
-            return func(*args, **kwargs)  # the caller chose a generator
-        device = _device_of(values)
-        if device.type == "meta":
-            return func(*args, **kwargs)  # nothing is drawn
-        self.drew = True
-        if kind == _ROUTE:
-            values["generator"] = self.generator(device)
-            return _call(func, values)
-        if kind == _SIBLING:
-            values["generator"] = self.generator(device)
-            return _call(sibling, values)
-        if kind == _DROPOUT:
-            out, mask = _native_dropout(values["input"], values["p"], values.get("train"), self.generator(device))
-            if "out0" not in values:
-                return out, mask
-            out0, out1 = values["out0"], values["out1"]
-            out0.resize_(out.shape).copy_(out)
-            out1.resize_(mask.shape).copy_(mask)
-            return out0, out1
-        if _draws_nothing(func, values):
-            return func(*args, **kwargs)
+def _bind(op: Any, args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    values = {a.name: a.default_value for a in op._schema.arguments if a.has_default_value()}
+    values.update((a.name, v) for a, v in zip(op._schema.arguments, args))
+    values.update(kwargs)
+    return values
+
+
+def _draws_nothing(values: Dict[str, Any]) -> bool:
+    if values.get("train", True) is False:
+        return True
+    probabilities = [values[k] for k in ("dropout_p", "dropout") if k in values]
+    if probabilities and all(p == 0 for p in probabilities):
+        return True
+    tensors = [v for v in values.values() if isinstance(v, Tensor)]
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
+
+
+def _guard(op: Any) -> Kernel:
+    """Seeded ops that cannot be routed: pass through only if they draw nothing."""
+    redispatch = op._handle.redispatch_boxed
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        if _draws_nothing(_bind(op, args, kwargs)):
+            return redispatch(keyset.remove(_KEY), *args, **kwargs)
         raise RuntimeError(
-            f"{func} draws from the global random generator and cannot be routed to the "
-            "call's private generator (moe_autograd.rng.CallRng); its result could not be "
+            f"{op} draws from the global random generator and cannot be routed to the "
+            "call's random stream (moe_autograd.rng); its result could not be "
             "recomputed exactly. Use a dropout-free variant inside the call or apply the "
-            "dropout separately (e.g. F.dropout or the math attention backend)."
-        )
+            "dropout separately (e.g. F.dropout or the math attention backend).")
+    return kernel
+
+
+# Seeded ops that draw nothing: they replay a seed passed in (or saved by their
+# forward), or only choose a kernel, or are tagged although they never draw.
+_DRAW_NOTHING = {
+    "_fused_sdp_choice", "_fill_mem_eff_dropout_mask_", "_cudnn_init_dropout_state",
+    "_flash_attention_forward_no_dropout_inplace", "_nested_tensor_softmax_with_shape",
+}
+_NATIVE_DROPOUT = "native_dropout"
+
+
+def _tags(name: str, overload: str) -> List[Any]:
+    try:  # fast: no OpOverload object for each of the ~3000 aten ops
+        return list(torch._C._get_operation_overload(f"aten::{name}", overload)[2])
+    except Exception:
+        try:
+            return list(getattr(getattr(torch.ops.aten, name), overload or "default").tags)
+        except Exception:  # pragma: no cover - not an operator Python can call
+            return []
+
+
+def _seeded_aten_ops() -> List[Tuple[str, Any]]:
+    """``(qualified name, OpOverload)`` of every aten op tagged seeded."""
+    found = []
+    for qualified in torch._C._dispatch_get_all_op_names():
+        if not qualified.startswith("aten::"):
+            continue
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        if torch.Tag.nondeterministic_seeded in _tags(name, overload):
+            found.append((qualified, getattr(getattr(torch.ops.aten, name), overload or "default")))
+    names = {qualified for qualified, _ in found}
+    expected = {"aten::bernoulli_.float", "aten::uniform_", "aten::normal_", "aten::rand"}
+    if not expected <= names:  # never route nothing silently
+        raise ImportError(f"moe_autograd.rng: cannot find PyTorch's random ops "
+                          f"({sorted(expected - names)} not tagged nondeterministic_seeded)")
+    return found
+
+
+def _plan(qualified: str, op: Any) -> Tuple[str, Optional[Kernel]]:
+    """``(kind, kernel)``; no kernel: the op is not intercepted."""
+    name = op.overloadpacket.__name__
+    if torch._C._dispatch_has_kernel_for_dispatch_key(qualified, "CompositeImplicitAutograd"):
+        return "composite", None  # decomposes into ops that are intercepted
+    if name in _DRAW_NOTHING or name.endswith("_backward"):
+        return "draws nothing", None
+    arguments = op._schema.arguments
+    names = [a.name for a in arguments]
+    if "generator" in names:
+        return "route", _route(op)
+    if name == _NATIVE_DROPOUT:
+        return "dropout", _dropout(op)
+    # The sibling takes the same arguments (names and types, the positional
+    # ones in the same order) plus a keyword-only generator.
+    positional = [(a.name, str(a.type)) for a in arguments if not a.kwarg_only]
+    wanted = {(a.name, str(a.type)) for a in arguments} | {("generator", "Optional[Generator]")}
+    for overload in op.overloadpacket.overloads():
+        sibling = getattr(op.overloadpacket, overload)
+        args = sibling._schema.arguments
+        if ({(a.name, str(a.type)) for a in args} == wanted
+                and [(a.name, str(a.type)) for a in args if not a.kwarg_only] == positional):
+            return f"sibling {overload}", _sibling(op, sibling)
+    return "guard", _guard(op)
+
+
+def _register() -> Tuple[Library, Library, Dict[str, str]]:
+    fallback = Library("_", "IMPL")
+    fallback.fallback(fallthrough_kernel, DISPATCH_KEY)
+    lib = Library("aten", "IMPL")
+    plans: Dict[str, str] = {}
+    for qualified, op in _seeded_aten_ops():
+        kind, kernel = _plan(qualified, op)
+        plans[qualified] = kind
+        if kernel is not None:
+            lib.impl(op, kernel, DISPATCH_KEY, with_keyset=True)
+    return fallback, lib, plans
+
+
+_FALLBACK_LIB, _LIB, _PLANS = _register()
+
+
+def routed_ops() -> Dict[str, str]:
+    """What the router does with each seeded aten op: ``route``, ``sibling
+    <overload>``, ``dropout``, ``guard`` (raises if it would draw), ``composite``
+    or ``draws nothing`` (not intercepted)."""
+    return dict(_PLANS)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import helpers
 from moe_autograd.checkpoint import (
     Checkpointing,
     capture_autocast_state,
@@ -18,7 +19,7 @@ from moe_autograd.checkpoint import (
 )
 from moe_autograd.dependency import fork, join
 from moe_autograd.microbatch import Batch
-from moe_autograd.rng import CallRng
+from moe_autograd.rng import CallRng, ReplayRng
 
 
 @pytest.mark.timeout(30)
@@ -273,7 +274,7 @@ def test_checkpointing_class_api_and_cleanup():
     out = chk.checkpoint()
     assert isinstance(out, Batch) and out.atomic
     chk.recompute(out)
-    assert isinstance(chk.rng, CallRng)
+    assert isinstance(chk.rng, ReplayRng) and chk.rng.captured
     assert len(chk.recomputed) == 0
     out.tensor.sum().backward()
     assert len(chk.recomputed) == 0  # consumed by Checkpoint.backward
@@ -399,3 +400,176 @@ def test_cuda_dropout_checkpoint_matches_mask():
     x.grad = None
     (lin(x) * masks[0] / 0.5).sum().backward()
     assert torch.allclose(gx, x.grad)
+
+
+# -- torch's contract: a checkpointed call computes what the plain call computes --
+
+RANDOM_FUNCTIONS = {
+    "dropout": lambda x: F.dropout(x, 0.5),
+    "dropout_module_twice": lambda x: nn.Dropout(0.3)(F.dropout(x, 0.2)),
+    "rand": lambda x: x * torch.rand(x.shape),
+    "randn": lambda x: x * torch.randn(x.shape),
+    "randint": lambda x: x * torch.randint(0, 3, x.shape),
+    "rand_like": lambda x: x * torch.rand_like(x),
+    "randn_like": lambda x: x * torch.randn_like(x),
+    "randperm": lambda x: x[torch.randperm(x.shape[0])],
+    "bernoulli": lambda x: x * torch.bernoulli(torch.full(x.shape, 0.5)),
+    "multinomial": lambda x: x[torch.multinomial(torch.ones(x.shape[0]), x.shape[0],
+                                                 replacement=True)],
+    "gumbel_softmax": lambda x: F.gumbel_softmax(x, tau=0.7),
+    "normal": lambda x: x * torch.normal(torch.zeros_like(x), 1.0),
+}
+
+
+def _run(f, x, weight, checkpointed):
+    """(output, global generator state right after the forward, x.grad)."""
+    x.grad = None
+    y = checkpoint(f, x) if checkpointed else f(x)
+    state = torch.get_rng_state()
+    (y * weight).sum().backward()
+    return y.detach(), state, x.grad.clone()
+
+
+@pytest.mark.parametrize("name", sorted(RANDOM_FUNCTIONS))
+def test_random_in_checkpoint(name):
+    """As torch.utils.checkpoint's test_random_in_checkpoint: same seed, same
+    outputs, same gradients, same global generator state afterwards."""
+    f = RANDOM_FUNCTIONS[name]
+    x = torch.randn(8, 6, requires_grad=True)
+    weight = torch.randn(8, 6)
+    torch.manual_seed(0)
+    plain = _run(f, x, weight, checkpointed=False)
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(0)
+    ckpt = _run(f, x, weight, checkpointed=True)
+    after_ckpt = torch.get_rng_state()
+    for p, c in zip(plain, ckpt):
+        assert torch.equal(p, c)
+    assert torch.equal(after_plain, after_ckpt)  # the backward drew nothing either
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(RANDOM_FUNCTIONS))
+def test_recomputation_is_exact_while_another_thread_draws(name):
+    """Another thread draws from the global generator between the function's
+    two random ops, in forward and again in the recomputation (Barriers force
+    the order): the checkpointed call still computes the plain call's values
+    and gradients."""
+    op = RANDOM_FUNCTIONS[name]
+    barrier = threading.Barrier(2, timeout=20)
+    pause = [False]
+
+    def f(x):
+        a = op(x)
+        if pause[0]:
+            barrier.wait()  # the other thread draws now
+            barrier.wait()
+        return a + op(x)
+
+    x = torch.randn(8, 6, requires_grad=True)
+    weight = torch.randn(8, 6)
+    torch.manual_seed(0)
+    plain = _run(f, x, weight, checkpointed=False)
+    results = {}
+
+    def body(i):
+        if i == 0:
+            results["ckpt"] = _run(f, x, weight, checkpointed=True)
+        else:
+            for _ in range(2):  # forward, then recomputation
+                barrier.wait()
+                torch.rand(64)
+                F.dropout(torch.ones(64), 0.5)
+                barrier.wait()
+
+    torch.manual_seed(0)
+    pause[0] = True
+    helpers.run_threads(body, 2)
+    out, _, grad = results["ckpt"]
+    assert torch.equal(out, plain[0])
+    assert torch.equal(grad, plain[2])
+
+
+def test_checkpoint_inside_a_call_stream_draws_what_the_plain_call_draws():
+    """Inside a runtime call (a CallRng active) the call's stream rules: a
+    checkpointed function draws from it exactly as the plain function would,
+    and leaves it where the plain function would."""
+    lin = nn.Linear(6, 6)
+    f = lambda x: F.dropout(lin(x), 0.5) * torch.rand_like(x)  # noqa: E731
+    x = torch.randn(8, 6, requires_grad=True)
+
+    with CallRng(9).activate():
+        y = f(x)
+        after = torch.rand(4)
+    y.sum().backward()
+    g = x.grad.clone()
+    x.grad = None
+    state = torch.get_rng_state()
+    with CallRng(9).activate():
+        yc = checkpoint(f, x)
+        after_c = torch.rand(4)
+    yc.sum().backward()  # recomputes outside the call's activation
+    assert torch.equal(y, yc) and torch.equal(after, after_c) and torch.equal(g, x.grad)
+    assert torch.equal(torch.get_rng_state(), state)  # the global generator was not touched
+
+
+def test_checkpoint_given_a_call_rng_draws_from_it():
+    x = torch.ones(64, requires_grad=True)
+    rng = CallRng(21)
+    chk = Checkpointing(lambda t: F.dropout(t, 0.5), Batch(x), rng=rng)
+    out = chk.checkpoint()
+    chk.recompute(out)
+    with CallRng(21).activate():
+        expected = F.dropout(torch.ones(64), 0.5)
+    assert torch.equal(out.tensor.detach(), expected)
+    out.tensor.sum().backward()
+    assert torch.equal(x.grad, expected)
+
+
+def _autocast_net():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.25), nn.Linear(32, 16))
+
+
+def test_checkpoint_under_autocast_gradients_equal_plain():
+    """The usual pattern: forward under autocast, backward outside it. The
+    recomputation must run in the forward's precision (not the backward's),
+    so checkpointed gradients equal plain ones bitwise."""
+    net = _autocast_net()
+    dtypes = []
+
+    def f(x):
+        y = net(x)
+        dtypes.append((is_recomputing(), y.dtype))
+        return y
+
+    x = torch.randn(8, 16, requires_grad=True)
+    results = []
+    for checkpointed in (False, True):
+        net.zero_grad()
+        x.grad = None
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = checkpoint(f, x) if checkpointed else f(x)
+        assert not torch.is_autocast_enabled("cpu")
+        y.float().pow(2).sum().backward()
+        results.append((y.detach(), x.grad.clone(), *(p.grad.clone() for p in net.parameters())))
+    assert dtypes == [(False, torch.bfloat16)] * 2 + [(True, torch.bfloat16)]
+    for plain, ckpt in zip(*results):
+        assert torch.equal(plain, ckpt)
+
+
+def test_checkpoint_recomputes_without_autocast_when_backward_runs_under_it():
+    net = _autocast_net()
+    dtypes = []
+
+    def f(x):
+        y = net(x)
+        dtypes.append(y.dtype)
+        return y
+
+    x = torch.randn(4, 16, requires_grad=True)
+    y = checkpoint(f, x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y.sum().backward()
+    assert dtypes == [torch.float32, torch.float32]

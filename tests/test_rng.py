@@ -1,11 +1,13 @@
+import sys
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from moe_autograd.rng import CallRng
+import helpers
+from moe_autograd import rng as rng_module
+from moe_autograd.rng import CallRng, ReplayRng, active_stream, routed_ops
 
 x4 = torch.randn(4, 6)
 
@@ -190,7 +192,8 @@ def test_activation_is_thread_local():
     t.start()
     try:
         assert entered.wait(10)
-        assert _get_current_dispatch_mode() is None
+        assert active_stream() is None
+        assert not torch._C._dispatch_tls_is_dispatch_key_included(rng_module._KEY)
         torch.manual_seed(123)
         got = torch.rand(6)
         ref = torch.rand(6, generator=torch.Generator().manual_seed(123))
@@ -301,3 +304,311 @@ def test_activate_records_whether_the_stream_was_drawn_from():
     with rng.activate():
         torch.nn.functional.dropout(torch.ones(8), 0.5, training=False)
     assert rng.drew is False
+
+
+# -- only random ops pay ----------------------------------------------------------
+
+def _rng_frames(fn):
+    """Runs ``fn`` and returns the names of moe_autograd.rng's functions that
+    ran meanwhile (Python frames seen by a profile hook)."""
+    seen = []
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename == rng_module.__file__:
+            seen.append(frame.f_code.co_name)
+
+    sys.setprofile(hook)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+def test_ops_that_draw_nothing_never_reach_python():
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    rng = CallRng(1)
+
+    def no_random():
+        y = torch.relu(lin(x)).softmax(-1)
+        y = F.dropout(y, 0.5, training=False)  # dropout that draws nothing
+        y.sum().backward()
+
+    def dropout():
+        F.dropout(x, 0.5).sum().backward()
+
+    with rng.activate():
+        assert _rng_frames(no_random) == []
+        kernels = _rng_frames(dropout)
+    assert rng.drew is True
+    assert kernels.count("kernel") == 1  # one hop: bernoulli_ behind F.dropout
+
+
+def test_every_seeded_aten_op_has_a_plan():
+    plans = routed_ops()
+    names = {n for n in torch._C._dispatch_get_all_op_names() if n.startswith("aten::")}
+    seeded = set()
+    for qualified in names:
+        name, _, overload = qualified[len("aten::"):].partition(".")
+        op = getattr(getattr(torch.ops.aten, name), overload or "default")
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            seeded.add(qualified)
+    assert seeded == set(plans)
+    # every plain random op is routed, redirected or decomposes into routed ops
+    for qualified, plan in plans.items():
+        base = qualified[len("aten::"):].split(".")[0]
+        if base.startswith(("rand", "normal", "bernoulli", "uniform", "multinomial", "exponential",
+                            "poisson", "binomial", "cauchy", "geometric", "log_normal", "random",
+                            "dropout", "native_dropout", "rrelu")):
+            assert plan in ("route", "dropout", "composite") or plan.startswith("sibling"), qualified
+    assert plans["aten::rand"] == "sibling generator"
+    assert plans["aten::randint_like.Tensor"] == "sibling Tensor_generator"
+    assert plans["aten::_scaled_dot_product_flash_attention_for_cpu"] == "guard"
+
+
+def test_activation_restores_dispatch_state_and_stack_even_on_error():
+    included = torch._C._dispatch_tls_local_include_set()
+    excluded = torch._C._dispatch_tls_local_exclude_set()
+    with pytest.raises(ValueError):
+        with CallRng(1).activate():
+            assert active_stream() is not None
+            raise ValueError
+    assert active_stream() is None
+    assert torch._C._dispatch_tls_local_include_set() == included
+    assert torch._C._dispatch_tls_local_exclude_set() == excluded
+
+
+def test_activation_lifts_an_exclusion_of_the_key():
+    """Code that excluded the key (for instance while a kernel runs) can still
+    open a stream; leaving it restores the exclusion."""
+    key = rng_module._KEY
+    with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(rng_module.DISPATCH_KEY)):
+        with CallRng(3).activate():
+            a = torch.rand(4)
+        assert torch._C._dispatch_tls_is_dispatch_key_excluded(key)
+    with CallRng(3).activate():
+        assert torch.equal(a, torch.rand(4))
+
+
+def test_inherited_dispatch_state_without_a_stream_raises():
+    """A thread that has the key switched on but no stream (as an autograd
+    device thread would inherit it) must not draw from the global generator."""
+    key = rng_module._KEY
+    errors = []
+
+    def body(_):
+        torch._C._dispatch_tls_set_dispatch_key_included(key, True)
+        try:
+            with pytest.raises(RuntimeError, match="no stream is active"):
+                torch.rand(3)
+            torch.rand(3, generator=torch.Generator())  # explicit generators pass
+            torch.ones(3).add(1)
+        except BaseException as e:  # pragma: no cover
+            errors.append(e)
+        finally:
+            torch._C._dispatch_tls_set_dispatch_key_included(key, False)
+
+    helpers.run_threads(body, 1)
+    assert not errors
+
+
+def test_dropout_gradient_uses_the_routed_mask():
+    x = torch.randn(32, 32, requires_grad=True)
+    with CallRng(3).activate():
+        y = F.dropout(x, 0.4)
+    y.sum().backward()
+    mask = y.detach() != 0
+    assert torch.allclose(x.grad, mask.float() / 0.6)
+
+
+def test_positional_generator_ops_keep_their_other_arguments():
+    """rrelu_with_noise takes its generator positionally, after defaulted
+    arguments the dispatcher may leave out."""
+    x = torch.randn(64)
+    noise = torch.empty(64)
+    with CallRng(4).activate():
+        y = torch.ops.aten.rrelu_with_noise(x, noise, 0.1, 0.3, True)
+    slopes = (y / x)[x < 0]
+    assert bool(((slopes >= 0.1) & (slopes <= 0.3)).all())
+    with CallRng(4).activate():  # train=False (the default, left out): no draw
+        torch.ops.aten.rrelu_with_noise(x, noise, 0.1, 0.3)
+
+
+# -- forced interleavings ---------------------------------------------------------
+
+GUARANTEED = {
+    "dropout": lambda: F.dropout(torch.ones(16, 16), 0.5),
+    "rand": lambda: torch.rand(8),
+    "randn": lambda: torch.randn(8),
+    "randint": lambda: torch.randint(100, (8,)),
+    "randperm": lambda: torch.randperm(8),
+    "rand_like": lambda: torch.rand_like(x4),
+    "randn_like": lambda: torch.randn_like(x4),
+    "bernoulli": lambda: torch.bernoulli(torch.full((16,), 0.5)),
+    "multinomial": lambda: torch.multinomial(torch.ones(16), 8),
+    "gumbel_softmax": lambda: F.gumbel_softmax(x4, tau=0.5),
+}
+
+
+def _lockstep(mine, other, rounds, mine_first):
+    """Runs two threads in lockstep: in each round one of them acts (``mine``
+    in even rounds if ``mine_first``, else in odd ones), the other waits at a
+    barrier. ``mine(r)`` and ``other(r)`` are called in their rounds; each is
+    also given ``None`` once before the first round and after the last (to
+    open and close activations on its own thread)."""
+    barrier = threading.Barrier(2, timeout=20)
+
+    def run(i):
+        act = mine if i == 0 else other
+        parity = (0 if mine_first else 1) if i == 0 else (1 if mine_first else 0)
+        with act(None):
+            for r in range(rounds):
+                if r % 2 == parity:
+                    act(r)
+                barrier.wait()
+
+    helpers.run_threads(run, 2)
+
+
+class _Steps:
+    """Draws ``op`` once per round of its turn, inside one activation of
+    ``stream`` (or none)."""
+
+    def __init__(self, op, stream=None):
+        self.op, self.stream, self.values = op, stream, []
+
+    def __call__(self, r):
+        if r is None:
+            return self.stream.activate() if self.stream is not None else _null()
+        self.values.append(self.op())
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("other", ["global", "own stream", "replay"])
+@pytest.mark.parametrize("mine_first", [True, False])
+@pytest.mark.parametrize("name", sorted(GUARANTEED))
+def test_stream_values_do_not_depend_on_interleaving(name, mine_first, other):
+    op = GUARANTEED[name]
+    with CallRng(11).activate():
+        expected = [op() for _ in range(3)]
+    streams = {"global": None, "own stream": CallRng(12), "replay": ReplayRng()}
+    mine = _Steps(op, CallRng(11))
+    others = _Steps(op, streams[other])
+    _lockstep(mine, others, rounds=6, mine_first=mine_first)
+    assert _equal(mine.values, expected)
+
+
+# -- ReplayRng --------------------------------------------------------------------
+
+def _draws():
+    return [F.dropout(torch.ones(8, 8), 0.5), torch.rand(4), torch.randn_like(x4),
+            torch.multinomial(torch.ones(10), 3), torch.randperm(6), CallRng.fork().seed]
+
+
+def _same(a, b):
+    return all(torch.equal(p, q) if isinstance(p, torch.Tensor) else p == q for p, q in zip(a, b))
+
+
+def test_replay_rng_draws_what_the_plain_code_draws_and_replays_it():
+    torch.manual_seed(0)
+    plain = _draws()
+    after = torch.get_rng_state()
+    torch.manual_seed(0)
+    stream = ReplayRng()
+    with stream.activate():
+        first = _draws()
+    assert _same(first, plain)
+    assert torch.equal(torch.get_rng_state(), after)  # advanced as the plain code did
+    torch.rand(100)  # the global generator moves on: replays do not care
+    moved = torch.get_rng_state()
+    with stream.activate():
+        again = _draws()
+    assert _same(again, plain)
+    assert torch.equal(torch.get_rng_state(), moved)  # a replay touches nothing
+    assert stream.drew is True and stream.captured
+
+
+def test_replay_rng_inside_a_call_stream_draws_from_it():
+    with CallRng(5).activate():
+        plain = [torch.rand(4), torch.rand(4), torch.rand(4)]
+    inner = ReplayRng()
+    with CallRng(5).activate() as _:
+        a = torch.rand(4)
+        with inner.activate():
+            b = torch.rand(4)
+        c = torch.rand(4)
+    assert _same([a, b, c], plain)
+    with inner.activate():
+        assert torch.equal(torch.rand(4), plain[1])
+
+
+def test_replay_rng_that_drew_nothing_marks_no_draw_and_replay_raises_if_it_draws():
+    stream = ReplayRng()
+    with stream.activate():
+        torch.ones(3).mul(2)
+    assert stream.drew is False
+    with pytest.raises(RuntimeError, match="drew none"):
+        with stream.activate():
+            torch.rand(3)
+
+
+def test_replay_rng_marks_the_enclosing_stream_as_drawn():
+    outer = CallRng(2)
+    with outer.activate():
+        with ReplayRng().activate():
+            torch.rand(2)
+    assert outer.drew is True
+
+
+@pytest.mark.timeout(60)
+def test_replay_rng_capture_is_exact_while_another_thread_draws_from_global():
+    """The capture is paused between its draws while another thread draws
+    from the global generator: its values still replay exactly, and the
+    global generator keeps the other thread's draws (it is not rewound)."""
+    torch.manual_seed(0)
+    stream = ReplayRng()
+    mine = _Steps(lambda: F.dropout(torch.ones(32), 0.5), stream)
+    other = _Steps(lambda: torch.rand(32))
+    _lockstep(mine, other, rounds=6, mine_first=True)
+    after = torch.get_rng_state()
+    with stream.activate():
+        replayed = [F.dropout(torch.ones(32), 0.5) for _ in range(3)]
+    assert _equal(replayed, mine.values)
+    assert torch.equal(torch.get_rng_state(), after)
+    # the global generator holds exactly the other thread's draws: the capture
+    # neither rewound it nor advanced it a second time
+    torch.manual_seed(0)
+    for _ in range(3):
+        torch.rand(32)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_graphs_traced_inside_a_stream_route_when_they_run():
+    """make_fx (as torch.compile's AOTAutograd) records random ops with
+    generator=None, not the generator of the activation that traced them."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(t):
+        return F.dropout(t, 0.5) + torch.rand_like(t)
+
+    x = torch.randn(4, 8)
+    with CallRng(1).activate():
+        graph = make_fx(f)(x)
+    generators = [n.kwargs.get("generator") for n in graph.graph.nodes if n.op == "call_function"]
+    assert all(g is None for g in generators)
+    with CallRng(1).activate():
+        a = graph(x)
+    with CallRng(1).activate():
+        b = graph(x)
+    with CallRng(1).activate():
+        eager = f(x)
+    assert torch.equal(a, b) and torch.equal(a, eager)
