@@ -81,10 +81,19 @@ def wait_dead() -> Callable[..., List[bool]]:
     return helpers.wait_dead
 
 
+# Files that test the parallel node itself: auto mode would run a site's
+# calls inline from its third batch on (a plain loop), so they force the
+# fan-out; tests/test_policy.py shows every mode gives the same bits.
+PARALLEL_NODE_FILES = {"test_autograd", "test_parallel", "test_parallel_checkpoint",
+                       "test_stress", "test_parallel_skip"}
+
+
 @pytest.fixture(autouse=True)
-def fresh_policy():
+def fresh_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """Every test starts with no learned execution modes (see
     moe_autograd.policy): a site's first batch fans out, as in a new process."""
     from moe_autograd import policy
     policy._reset()
+    if request.module.__name__.rsplit(".", 1)[-1] in PARALLEL_NODE_FILES:
+        monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
     yield
