@@ -115,17 +115,19 @@ NOTES: Dict[str, str] = {
     "latency": "Sleeping calls release the GIL, so all 32 overlap in forward and, through the "
                "one parallel node, in backward too; the naive pool overlaps forward only, "
                "since the engine runs its 32 backward nodes one after another.",
-    "overhead": "Pure bookkeeping: worker hand-off, the emulated autograd context and the one "
-                "parallel node, against the engine's own per-call cost.",
-    "compute": "No goal. On this machine the Python loop already keeps every core busy: each "
-               "ATen kernel runs on torch's intra-op threads, and workers release the GIL inside "
-               "kernels, so parallel_apply can only overlap the Python glue and small kernels; "
-               "concurrent workers also compete for the same cores (each brings its own "
-               "intra-op team). A ratio near 1 means the runtime costs nothing here; gains need "
-               "idle cores, an accelerator, or latency-bound experts.",
+    "overhead": "Tiny calls: the engine's own per-call cost is the baseline. As users get it "
+                "(auto mode) such calls run inline, the loop itself plus each call's random "
+                "stream (fork + activation); forced to fan out, each call also pays the worker "
+                "hand-off (GIL round trips), the emulated autograd context and its share of "
+                "the one parallel node.",
+    "compute": "On 2 cores the Python loop already keeps every core busy inside each ATen "
+               "kernel (intra-op threads), so fanning out only adds contention: auto mode "
+               "learns the calls are CPU-bound and runs them in cores // intra-op-threads "
+               "lanes (here one: inline, the same bits as the fan-out). The loaded variant "
+               "spins one core in another process during both arms.",
     "checkpoint": "Memory kept for backward, from public means only: the unique storages packed "
-                  "by a saved_tensors_hooks pack hook around parallel_apply (the runtime applies "
-                  "the caller's hooks on its workers), plus the storages of the inputs the caller "
+                  "by a saved_tensors_hooks pack hook around parallel_apply (the runtime packs the "
+                  "calls' saved tensors through the caller's hooks, in call order), plus the storages of the inputs the caller "
                   "passed (every call keeps its inputs until backward as detached views sharing "
                   "their storage, so they are counted from the caller's tensors); parameters "
                   "excluded. A checkpointed call should save nothing, so ours ~ the inputs. "

@@ -93,8 +93,8 @@ def kept_bytes(experts: Sequence[nn.Module], xs: Sequence[Tensor], checkpoint: b
     the forward as ``(saved, inputs)``, unique storages, parameters excluded:
 
     * ``saved``: the storages autograd saved during ``parallel_apply``, seen
-      by a ``saved_tensors_hooks`` pack hook around it (the runtime applies the
-      caller's hooks on its workers);
+      by a ``saved_tensors_hooks`` pack hook around it (the runtime packs the
+      calls' saved tensors through the caller's hooks, in call order);
     * ``inputs``: the storages of the caller's inputs not already among them.
       Every call keeps its inputs until backward (a checkpointed one to
       recompute from) as detached views that share the caller's storage, so
