@@ -85,7 +85,9 @@ def wait_dead() -> Callable[..., List[bool]]:
 # calls inline from its third batch on (a plain loop), so they force the
 # fan-out; tests/test_policy.py shows every mode gives the same bits.
 PARALLEL_NODE_FILES = {"test_autograd", "test_parallel", "test_parallel_checkpoint",
-                       "test_stress", "test_parallel_skip"}
+                       "test_stress", "test_parallel_skip", "test_function_db",
+                       "test_param_inputs", "test_checkpoint_frames", "test_compile",
+                       "test_moe_gaps"}
 
 
 @pytest.fixture(autouse=True)

@@ -29,12 +29,6 @@ DT = torch.float64
 D = 4
 
 
-@pytest.fixture(autouse=True)
-def _node_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The auto policy soon runs tiny test experts inline (a plain loop on the
-    caller): force the parallel node, which these tests are about."""
-    monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
-
 
 # -- the three ways of calling experts, and their plain twins -------------------------------
 

@@ -46,12 +46,6 @@ _LAMBDA_ENTRIES: Dict[str, Tuple[FunctionType, Callable[[Args], Args]]] = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _node_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The auto policy soon runs tiny test calls inline (``Function.apply`` in
-    a loop): force the parallel node, which these tests are about."""
-    monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
-
 
 def function_of(name: str) -> Tuple[FunctionType, Callable[[Args], Args]]:
     """The ``autograd.Function`` behind an entry and the argument preparation

@@ -27,12 +27,6 @@ DT = torch.float64
 RUNTIME_NAMES = ("moe_autograd", "parallel_apply", "map_with_parallel_backward")
 
 
-@pytest.fixture(autouse=True)
-def _node_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The auto policy soon runs tiny test experts inline (a plain loop on the
-    caller): force the parallel node, which these tests are about."""
-    monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
-
 
 def randn(*shape: int, seed: int, requires_grad: bool = True) -> Tensor:
     g = torch.Generator().manual_seed(seed)

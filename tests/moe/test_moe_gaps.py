@@ -26,12 +26,6 @@ pytestmark = pytest.mark.usefixtures("warmed_up")
 F_IN, F_OUT = 6, 5
 
 
-@pytest.fixture(autouse=True)
-def _node_mode(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The auto policy soon runs tiny test experts inline (a plain loop on the
-    caller): force the parallel node, which these tests are about."""
-    monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
-
 
 def _x(*shape: int, seed: int = 0, requires_grad: bool = True) -> Tensor:
     torch.manual_seed(seed)
