@@ -142,7 +142,7 @@ class ModuleCall(IsolatedCall):
                  checkpoint: bool = False, check_finite_grads: bool = False,
                  name: str = "call", index: int = 0,
                  validate: Optional[Callable[["ModuleCall"], None]] = None,
-                 state: Optional[CallerState] = None) -> None:
+                 state: Optional[CallerState] = None, rng: Optional[CallRng] = None) -> None:
         self.module, self.name, self.index, self.validate = module, name, index, validate
         self.checkpoint = checkpoint and torch.is_grad_enabled()
         self.check_finite_grads = check_finite_grads
@@ -155,7 +155,7 @@ class ModuleCall(IsolatedCall):
         self._grad_leaves = [v for v in self._leaves if isinstance(v, Tensor) and v.requires_grad]
         self.params: List[Tensor] = []
         self.device = _device_of(module, leaves)
-        self.rng = CallRng.fork()
+        self.rng = rng if rng is not None else CallRng.fork()
         #: The caller's thread state at the call, also for its recomputation.
         self.state = state
         self.saves = None if (self.checkpoint or state is None) else state.saves()

@@ -188,6 +188,16 @@ class Measure:
         self.walls = [0.0] * n
         self.cpus = [0.0] * n
 
+    @staticmethod
+    def start() -> Tuple[float, float]:
+        """The clocks before call ``i`` runs on this thread (see :meth:`stop`)."""
+        return time.perf_counter(), time.thread_time()
+
+    def stop(self, i: int, started: Tuple[float, float]) -> None:
+        """Records call ``i``'s wall and thread CPU time since :meth:`start`."""
+        self.cpus[i] = time.thread_time() - started[1]
+        self.walls[i] = time.perf_counter() - started[0]
+
     def timed(self, i: int, fn: Callable[[], T]) -> Callable[[], T]:
         walls, cpus = self.walls, self.cpus
 

@@ -237,6 +237,15 @@ class CallRng:
             buffer = _local.seed_buffer = torch.empty((), dtype=torch.int64)
         return cls(int(buffer.random_(-(1 << 63), None, generator=generator).item()))
 
+    @classmethod
+    def fork_many(cls, n: int) -> List["CallRng"]:
+        """``n`` streams, forked in order with one draw of ``n`` seeds (as
+        :meth:`fork`: from the default CPU generator, or the active stream)."""
+        if n == 1:
+            return [cls.fork()]
+        seeds = torch.empty(n, dtype=torch.int64).random_(-(1 << 63), None)
+        return [cls(seed) for seed in seeds.tolist()]
+
     def activate(self) -> _Activation:
         """Context manager: routes this thread's random ops to generators
         seeded by :attr:`seed` (fresh ones on every entry)."""
