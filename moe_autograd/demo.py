@@ -235,10 +235,17 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--forward-timeout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--elastic", action="store_true",
+                   help="train while servers join, leave and crash (python -m moe_autograd "
+                        "demo --elastic -h for its options)")
     return p.parse_args(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--elastic" in argv:
+        from .demo_elastic import main as elastic_main
+        return elastic_main(argv)
     args = _parse(argv)
     # torch.distributed's own deprecation chatter, raised inside init_rpc.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")

@@ -43,6 +43,10 @@ Groups
 ``moe-scale``
     :mod:`.moe_scale`: the MoE layer with 8, 64 and 256 experts against a
     Mixtral-style loop block.
+``elastic``
+    :mod:`.elastic`: the MoE layer over an elastic fleet: step time while
+    servers join and leave vs without churn; steps from a join to its first
+    served call.
 
 ``remote`` and ``moe`` are imported when they run (they need more of torch and
 of the package); their ``run(quick)`` returns dicts with keys ``name,
@@ -109,6 +113,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "remote": _external("remote", f"{__name__}.remote"),
     "moe": _external("moe", "moe_autograd.moe.bench"),
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
+    "elastic": _external("elastic", f"{__name__}.elastic"),
 }
 
 NOTES: Dict[str, str] = {
@@ -155,6 +160,10 @@ NOTES: Dict[str, str] = {
     "remote": "Loopback RPC on this machine: every call costs CPU on both ends, so with few "
               "cores the L = 5 ms rows are partly CPU-bound; the L = 50 ms rows show the "
               "latency-bound behaviour.",
+    "elastic": "Servers that join are forked in advance (from a forkserver that imported "
+               "torch) and wait for their cue, so the churn rows time the runtime's join and "
+               "leave, not an interpreter's start-up; a churn block is back-to-back churn "
+               "(the next event could start at once), the densest the fleet allows.",
 }
 
 

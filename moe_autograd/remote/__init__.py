@@ -78,10 +78,19 @@ On one machine the same recipe runs on loopback (``MASTER_ADDR=127.0.0.1``);
 pass ``--transports uv`` when server processes outnumber cores (TensorPipe's
 same-host ``shm`` transport busy-polls). :mod:`moe_autograd.remote.loopback`
 starts such worlds for tests and benchmarks (``moe_autograd.bench.remote``).
+
+Elastic mode (:mod:`moe_autograd.remote.fleet`): :meth:`Fleet.start` founds a
+dynamic world (no ``world_size``); servers join and leave it while it runs
+(:class:`ElasticServer`, ``python -m moe_autograd serve --join``), publish
+their experts by name, and clients call :class:`FleetExpert`\\ s, which
+resolve a name to a live replica per call (see the README's elastic section).
 """
 from .client import RemoteCall, RemoteExpert, flush_releases
 from .errors import RemoteExpertError, RemoteTimeoutError
+from .fleet import ElasticServer, Fleet, FleetEvent, FleetExpert, NoLiveReplica
+from .membership import MembershipError
 from .server import ExpertServer
 
 __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertError",
-           "RemoteCall", "flush_releases"]
+           "RemoteCall", "flush_releases", "Fleet", "FleetExpert", "FleetEvent", "ElasticServer",
+           "NoLiveReplica", "MembershipError"]

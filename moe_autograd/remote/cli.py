@@ -11,8 +11,16 @@ SIGTERM, or (in a static world, i.e. with a world size) until every other
 worker has called ``rpc.shutdown()``; then close the server (requests in
 flight get ``--drain-timeout`` seconds) and shut RPC down.
 
+Elastic mode (``--join``, see :mod:`.fleet`): no rank or world size; the
+server joins the running dynamic world whose store is at ``--master-addr:
+--master-port`` (founded by a :class:`~moe_autograd.remote.Fleet`), takes a
+fresh rank from the store, publishes its experts by name, and on SIGINT/
+SIGTERM or the coordinator's stop leaves cleanly (unpublish, finish calls in
+flight and held states within ``--drain-timeout``, then leave the world).
+
 Invariant: the process exits with status 0 after a signal or the world's end,
-and 2 on bad arguments (argparse).
+and 2 on bad arguments (argparse); with ``--join``, 75 if it could not join
+(start it again) and 3 if it was evicted (reaped while stopped).
 """
 import argparse
 import importlib
@@ -84,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-host 'shm' transport busy-polls, so prefer 'uv' when server "
                         "processes outnumber cores)")
     p.add_argument("--drain-timeout", type=float, default=10.0)
+    p.add_argument("--join", action="store_true",
+                   help="join a running elastic world (a Fleet's) by its store at "
+                        "--master-addr:--master-port; no --rank/--world-size")
     return p
 
 
@@ -110,8 +121,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args_list[:1] == ["serve"]:
         args_list = args_list[1:]
     args = build_parser().parse_args(args_list)
-    if args.rank is None:
-        build_parser().error("--rank (or $RANK) is required")
+    if args.rank is None and not args.join:
+        build_parser().error("--rank (or $RANK) is required (or --join)")
     from torch.distributed import rpc
 
     from .server import ExpertServer
@@ -133,6 +144,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           max_request_bytes=args.max_request_bytes,
                           non_finite_grads=args.non_finite_grads,
                           )  # before init_rpc: no request finds it missing
+    if args.join:
+        from .fleet import default_name, serve_joined
+
+        return serve_joined(server, args.name or default_name(), options,
+                            drain_timeout=args.drain_timeout, log=_log)
     rpc.init_rpc(name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options)
     stop, world_done = threading.Event(), threading.Event()
     if threading.current_thread() is threading.main_thread():  # (a signal during init_rpc kills)

@@ -1,0 +1,277 @@
+"""``python -m moe_autograd demo --elastic``: train while the expert fleet churns.
+
+What it shows, on one machine with no arguments:
+
+1. This process founds a dynamic RPC world (:meth:`~moe_autograd.remote.Fleet.start`)
+   and trains ``embed -> MixtureOfExperts -> head`` on the demo's region task;
+   the layer's remote experts are *names* (``expert0`` .. ``expert3``,
+   :class:`~moe_autograd.remote.FleetExpert`), resolved to live servers at
+   every call.
+2. Two servers join (``server_a`` hosts expert0 and expert1, ``server_b``
+   expert2 and expert3); training starts once they serve.
+3. During training: ``server_b`` is killed (SIGKILL): its experts are masked
+   like failing ones and the founder reaps it; ``server_c`` starts with
+   *replacement* experts 2 and 3 (fresh weights) and is used from the step
+   after it joins; ``server_d`` joins with replicas of experts 0 and 1, and
+   ``server_a`` then leaves cleanly (SIGTERM: drain, then go) without a
+   masked call, since the replicas take over.
+4. The report lists every churn event with its step, the masked calls per
+   phase, the step times, and whether accuracy reached its target.
+
+Servers are forked from a forkserver that imported torch once, so a join
+takes a fraction of a second of the trainer's time, not the seconds of a
+fresh interpreter. Every child process is stopped on exit, Ctrl-C included.
+"""
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import warnings
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .demo import Expert, Model, RegionTask
+
+__all__ = ["main"]
+
+_PRELOAD = ["torch", "torch.distributed.rpc", "moe_autograd.remote", __name__]
+
+
+def _context() -> Any:
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _watch_parent(parent: int) -> None:
+    """A server whose demo process died (even by SIGKILL) must not linger
+    (forked by the forkserver, its parent process is not the demo's)."""
+    def watch() -> None:
+        while True:
+            time.sleep(0.5)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:
+                pass
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _serve(port: int, name: str, experts: Sequence[str], seed: int, width: int,
+           latency: float, lr: float, parent: int) -> None:
+    """A server process: join, serve until SIGTERM or the founder's stop."""
+    from .remote import ElasticServer, ExpertServer
+    from .remote.loopback import backend_options
+
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us in order
+    _watch_parent(parent)
+    torch.manual_seed(seed)
+    modules = {e: Expert(width, latency) for e in experts}
+    server = ExpertServer(modules, optimizer=lambda params: torch.optim.Adam(params, lr=lr))
+    elastic = ElasticServer(server, name, options=backend_options(port), linger=0.3)
+    signal.signal(signal.SIGTERM, lambda *_: elastic.stop("SIGTERM"))
+    elastic.join()
+    reason = elastic.serve()
+    os._exit(3 if reason == "evicted" else 0)
+
+
+class _Demo:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.ctx = _context()
+        self.processes: Dict[str, Any] = {}
+        self.log: List[Tuple[int, str]] = []
+        self.step = 0
+
+    def start_server(self, name: str, experts: Sequence[str], seed: int, port: int) -> None:
+        a = self.args
+        process = self.ctx.Process(target=_serve, name=f"moe_autograd-demo-{name}", daemon=True,
+                                   args=(port, name, list(experts), seed, a.width, a.latency,
+                                         a.lr, os.getpid()))
+        process.start()
+        self.processes[name] = process
+
+    def note(self, text: str) -> None:
+        self.log.append((self.step, text))
+        if not self.args.quiet:
+            print(f"  step {self.step:4d}  {text}", flush=True)
+
+    def stop_all(self, timeout: float) -> None:
+        for process in self.processes.values():
+            process.join(timeout)
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+
+
+def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m moe_autograd demo --elastic",
+                                description="Train while expert servers join, leave and crash.")
+    p.add_argument("--elastic", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=400, help="training steps (the duration)")
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--local-experts", type=int, default=2, help="experts in this process")
+    p.add_argument("--latency", type=float, default=0.004,
+                   help="seconds every expert call sleeps, emulating a heavier expert")
+    p.add_argument("--forward-timeout", type=float, default=0.5)
+    p.add_argument("--target", type=float, default=0.65,
+                   help="accuracy the mixture must reach (a single expert stays near 0.5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    args.width, args.lr = 32, 3e-3
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parse(argv)
+    from .remote import Fleet
+    from .remote.loopback import backend_options, free_port
+
+    warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    dim, classes = 8, 4
+    task = RegionTask(dim, classes, args.seed)
+    port = free_port()
+    demo = _Demo(args)
+    fleet: Optional[Any] = None
+    interrupted = False
+    try:
+        fleet = Fleet.start("trainer", options=backend_options(port), dead_after=0.5)
+        print(f"founded a dynamic world on 127.0.0.1:{port}; starting server_a and server_b ...",
+              flush=True)
+        demo.start_server("server_a", ["expert0", "expert1"], 1, port)
+        demo.start_server("server_b", ["expert2", "expert3"], 2, port)
+        names = [f"expert{i}" for i in range(4)]
+        fleet.wait_for(names, timeout=120)
+        remote = fleet.experts(names, forward_timeout=args.forward_timeout, backward_timeout=5.0)
+        local: List[nn.Module] = [Expert(args.width, args.latency)
+                                  for _ in range(args.local_experts)]
+        model = Model(dim, args.width, classes, [*local, *remote], k=2, k_min=1,
+                      forward_timeout=args.forward_timeout + 0.2, backward_timeout=6.0,
+                      allow_zero_outputs=True, detect_anomalies=True)
+        print(f"model: embed -> MixtureOfExperts({len(local)} local + {len(remote)} remote "
+              f"experts by name, k=2) -> head; {args.steps} steps", flush=True)
+        result = _train(demo, fleet, model, task, port)
+        return _report(demo, fleet, model, task, result)
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        if fleet is not None:
+            try:
+                fleet.shutdown(timeout=2.0 if interrupted else 10.0)
+            except Exception:  # noqa: BLE001 - tearing down anyway
+                pass
+        demo.stop_all(1.0 if interrupted else 10.0)
+
+
+def _train(demo: _Demo, fleet: Any, model: Model, task: RegionTask, port: int
+           ) -> Dict[str, Any]:
+    args = demo.args
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    book = model.moe.expert_stats
+    kill_at, replace_at, replica_at = (int(args.steps * f) for f in (0.25, 0.45, 0.65))
+    schedule = {kill_at: "kill", replace_at: "replace", replica_at: "replica"}
+    seen_events = 0
+    joins: Dict[str, int] = {}        # joined server -> step its join was seen
+    served_after: Dict[str, int] = {}  # joined server -> steps until its first served call
+    leave_pending = False
+    times: List[float] = []
+    masked: List[int] = []
+    for step in range(args.steps):
+        demo.step = step
+        action = schedule.get(step)
+        if action == "kill":
+            os.kill(demo.processes["server_b"].pid, signal.SIGKILL)
+            demo.note("kill server_b (SIGKILL): expert2 and expert3 have no server now")
+        elif action == "replace":
+            demo.start_server("server_c", ["expert2", "expert3"], 3, port)
+            demo.note("start server_c with replacement expert2 and expert3 (fresh weights)")
+        elif action == "replica":
+            demo.start_server("server_d", ["expert0", "expert1"], 4, port)
+            demo.note("start server_d with replicas of expert0 and expert1")
+            leave_pending = True
+        if leave_pending and "server_d" in fleet.servers():
+            os.kill(demo.processes["server_a"].pid, signal.SIGTERM)
+            demo.note("stop server_a (SIGTERM: a clean leave; server_d serves its experts)")
+            leave_pending = False
+        before = book.totals()
+        x, y = task.batch(args.batch)
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits, aux = model(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        (loss + 0.01 * aux).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+        after = book.totals()
+        masked.append(int(after["failures"] + after["timeouts"]
+                          - before["failures"] - before["timeouts"]))
+        events = fleet.events
+        for event in events[seen_events:]:
+            demo.note(f"{event.worker} {event.kind}"
+                      f"{' (' + ', '.join(event.experts) + ')' if event.experts else ''}"
+                      f"{': ' + event.detail if event.detail else ''}")
+            if event.kind == "joined" and step > 0:
+                joins[event.worker] = step
+        seen_events = len(events)
+        for worker, joined_at in list(joins.items()):
+            if fleet.first_served(worker) is not None:
+                demo.note(f"{worker} served its first call, {step - joined_at} step(s) "
+                          "after its join was seen")
+                served_after[worker] = step - joined_at
+                del joins[worker]
+    return {"times": times, "masked": masked, "kill_at": kill_at, "replace_at": replace_at,
+            "served_after": served_after}
+
+
+def _report(demo: _Demo, fleet: Any, model: Model, task: RegionTask,
+            result: Dict[str, Any]) -> int:
+    args = demo.args
+    times, masked = result["times"], result["masked"]
+    x, y = task.batch(4096)
+    model.eval()
+    with torch.no_grad():
+        logits, _ = model(x)
+    model.train()
+    acc = (logits.argmax(-1) == y).float().mean().item()
+    loss = nn.functional.cross_entropy(logits, y).item()
+    kill_at, replace_at = result["kill_at"], result["replace_at"]
+    joined = {n: s for s, t in demo.log for n in ("server_c", "server_d")
+              if t.startswith(f"{n} joined")}
+    c_join = min(joined.get("server_c", len(times)) + 1, len(times))  # noted after its step
+    phases = [("before the kill", 0, kill_at),
+              ("no server for expert2/3", kill_at, c_join),
+              ("after the replacement", c_join, len(times))]
+    print()
+    print("churn events (step: what happened)")
+    for step, text in demo.log:
+        print(f"  {step:4d}  {text}")
+    print("masked expert calls per phase")
+    for label, lo, hi in phases:
+        print(f"  {label:26s} steps {lo:4d}-{hi - 1:4d}: {sum(masked[lo:hi]):4d} masked, "
+              f"median step {statistics.median(times[lo:hi] or [float('nan')]) * 1000:6.1f} ms")
+    reached = acc >= args.target
+    print(f"accuracy      {acc:6.1%} (loss {loss:.3f}); target {args.target:.0%}: "
+          f"{'reached' if reached else 'NOT reached'}")
+    totals = model.moe.expert_stats.totals()
+    print(f"absorbed      {totals['failures']} failures and {totals['timeouts']} timeouts over "
+          f"{totals['calls']} expert calls; training never stopped ({len(times)} steps)")
+    return 0 if reached else 1
