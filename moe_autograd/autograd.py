@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import _is_setup_context_defined  # type: ignore[attr-defined]
 
+from .collect import function_collector, run_applies
 from .executor import run_all
 from .node import Grads, IsolatedCall, attach
 from .policy import INLINE, LANES, Decision, Measure, choose
@@ -249,7 +250,7 @@ def map_with_parallel_backward(func: FunctionType, *args_per_call: Sequence[Any]
 
 def _fork(n: int) -> List[CallRng]:
     """One random stream per call, forked in call order on this thread."""
-    return [CallRng.fork() for _ in range(n)]
+    return CallRng.fork_many(n)
 
 
 def _apply_inline(func: FunctionType, args: List[Tuple[Any, ...]],
@@ -258,15 +259,18 @@ def _apply_inline(func: FunctionType, args: List[Tuple[Any, ...]],
     """The loop itself: ``func.apply`` call after call, each in its stream
     (``rngs`` None: under a ``torch.func`` transform, its randomness rules)."""
     results = []
+    apply = func.apply
     for i, a in enumerate(args):
-        def call(a: Tuple[Any, ...] = a, i: int = i) -> Tuple[Any, ...]:
-            with rngs[i].activate() if rngs is not None else nullcontext():
-                return _as_tuple(func.apply(*a))
+        started = measure.start() if measure is not None else None
         try:
-            results.append(measure.timed(i, call)() if measure is not None else call())
+            with rngs[i].activate() if rngs is not None else nullcontext():
+                results.append(_as_tuple(apply(*a)))
         except BaseException as error:
             error.add_note(f"{func.__name__}: call {i} of {len(args)}")
             raise
+        finally:
+            if started is not None:
+                measure.stop(i, started)  # type: ignore[union-attr]
     return tuple(results)
 
 
@@ -285,10 +289,15 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
         return bind(state, measure.timed(i, run), saves[i])
 
     lanes = decision.lanes if decision.mode == LANES else None
-    ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call", lanes=lanes)
+    collector = function_collector(func)
+    if collector is not None:  # calls that wait (remote): started together, no worker each
+        ran = run_applies(func, collector, args, f"{func.__name__}: call", measure)
+    else:
+        ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call", lanes=lanes)
     calls = [_FunctionCall(func, args[i], i, n, ctx, outputs) for i, (ctx, outputs) in enumerate(ran)]
     for call, s in zip(calls, saves):
         call.saves = s
+        call.collector = collector
     attached = attach(calls, name=func.__name__, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):

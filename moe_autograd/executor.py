@@ -22,6 +22,11 @@ Invariants:
   taking the next call in order (``lanes=1``: the caller alone, in ``wait``).
 * ``wait(help=False)`` never runs a call on the caller's thread, so a caller
   with a deadline cannot be caught inside a straggler.
+* An *external* call of a group (``submit(..., external=...)``) is never run
+  by the pool: something else (a remote call's reply callback, see
+  :mod:`moe_autograd.collect`) ends it with :meth:`TaskGroup.complete`, once;
+  until then it counts as running, so ``wait`` and ``cancel`` treat it as a
+  call a worker took.
 
 The pool is created on first use, sized by ``MOE_AUTOGRAD_WORKERS`` (default
 32), made of named daemon threads, and recreated in a child after ``fork``.
@@ -64,11 +69,18 @@ class CallCancelled(TimeoutError):
 class TaskGroup(Generic[T]):
     """Calls submitted together; see the module docstring for the protocol."""
 
-    def __init__(self, pool: "WorkerPool", fns: Sequence[Callable[[], T]]) -> None:
+    def __init__(self, pool: "WorkerPool", fns: Sequence[Callable[[], T]],
+                 external: Sequence[int] = ()) -> None:
         n = len(fns)
         self._fns: List[Optional[Callable[[], T]]] = list(fns)
         self._pending: Deque[int] = deque(range(n))
         self._state = [_PENDING] * n
+        self._external: Set[int] = set(external)  # not completed yet
+        if self._external:
+            self._pending = deque(i for i in range(n) if i not in self._external)
+            for i in self._external:
+                self._fns[i] = None
+                self._state[i] = _RUNNING
         self.results: List[Optional[T]] = [None] * n
         self.errors: List[Optional[BaseException]] = [None] * n
         self.finished_at: List[Optional[float]] = [None] * n
@@ -114,6 +126,19 @@ class TaskGroup(Generic[T]):
             self._remaining -= 1
             if self._watchers or (self._waiters and not self._remaining):
                 self._cond.notify_all()
+
+    def complete(self, i: int, result: Optional[T] = None,
+                 error: Optional[BaseException] = None) -> bool:
+        """Ends the external call ``i`` with its result or error (from any
+        thread); False, and nothing changes, if it is not an external call
+        still running."""
+        with self._lock:
+            if i not in self._external:
+                return False
+            self._external.discard(i)
+        self.results[i], self.errors[i] = result, error
+        self._finish(i, _DONE)
+        return True
 
     def done(self, i: int) -> bool:
         return self._state[i] in (_DONE, _CANCELLED)
@@ -210,7 +235,8 @@ class WorkerPool:
     def threads(self) -> List[threading.Thread]:
         return list(self._threads)
 
-    def submit(self, fns: Sequence[Callable[[], T]], lanes: Optional[int] = None) -> TaskGroup[T]:
+    def submit(self, fns: Sequence[Callable[[], T]], lanes: Optional[int] = None, *,
+               external: Sequence[int] = ()) -> TaskGroup[T]:
         """Queues the calls; they start on workers at once (while some are
         free). Call :meth:`TaskGroup.wait` to help and join.
 
@@ -218,9 +244,12 @@ class WorkerPool:
         caller's (when it helps) included: ``lanes - 1`` workers each take
         the group's next call until none is left, in order. ``lanes=1`` puts
         nothing on the queue: the caller runs every call in ``wait()``.
+
+        The calls at the positions ``external`` are not queued (their ``fns``
+        are ignored): the caller ends each with :meth:`TaskGroup.complete`.
         """
-        group: TaskGroup[T] = TaskGroup(self, fns)
-        n = len(fns)
+        group: TaskGroup[T] = TaskGroup(self, fns, external)
+        n = len(fns) - len(group._external)
         tickets = n if lanes is None else max(0, min(lanes, n) - 1)
         if tickets == 0:
             return group

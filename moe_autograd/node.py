@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from .executor import get_pool, run_all
+from . import collect
 from .phony import get_phony
 from .saved import CallSaves
 from .tls import bind, capture
@@ -73,6 +73,10 @@ class IsolatedCall:
     #: What the call saved for backward through the caller's saved-tensor
     #: hooks (see :mod:`moe_autograd.saved`); None without such hooks.
     saves: Optional[CallSaves] = None
+    #: Starts this call's backward (with the other calls of the same
+    #: collector) instead of a worker; None: :meth:`backward` runs on a
+    #: worker (see :mod:`moe_autograd.collect`).
+    collector: Optional["collect.Collector"] = None
 
     @property
     def needs_grad(self) -> bool:
@@ -326,11 +330,29 @@ def _restore_tensor_hooks(muted: Muted) -> None:
         hooks.update(kept)
 
 
+def _on_device_thread(plan: _Plan, active: List[int]) -> bool:
+    """Whether this backward runs on one of the engine's device threads (a
+    thread PyTorch made, not Python) for calls with tensors on a device.
+
+    The engine runs a device's nodes on its own thread for that device. A
+    call's backward started from a pool worker would queue its device nodes
+    on that thread, which is blocked here waiting for the worker: a deadlock
+    (seen on CUDA). There, the calls' backwards run on this thread, one after
+    another: the engine runs a backward started on its device thread inline.
+    """
+    if not isinstance(threading.current_thread(), threading._DummyThread):  # type: ignore[attr-defined]
+        return False
+    return any(device.type != "cpu" for i in active for _, _, device in plan.output_meta[i])
+
+
 def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optional[Grads]],
                 active: List[int], results: List[Grads]) -> None:
     state = capture()
     policy = plan.policy
     strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
+    # On a device thread: one lane, this thread, and no deadline can hold.
+    inline = _on_device_thread(plan, active)
+    lanes = 1 if inline else plan.lanes
 
     def task(i: int) -> Callable[[], Any]:
         call = calls[i]
@@ -347,8 +369,23 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
         return bind(state, run)
 
     fns = [task(i) for i in active]
+    mine, grads = [calls[i] for i in active], [per_call[i] for i in active]
+
+    def finish(k: int, raw: Any, error: Optional[BaseException]
+               ) -> Tuple[Any, Optional[BaseException]]:
+        # A collected call's completion, as ``task`` ends a call on a worker.
+        i = active[k]
+        if error is None and not strict:
+            try:
+                raw = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
+            except Exception as failure:  # noqa: BLE001 - this call's own failure
+                error = failure
+        if error is not None:
+            error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+        return raw, error
+
     if strict:
-        raws = run_all(fns, None, lanes=plan.lanes)
+        raws = collect.run_backwards(mine, grads, fns, lanes, finish)
         for i, raw in zip(active, raws):
             try:
                 results[i] = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
@@ -357,10 +394,14 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
                 raise
         return
     assert policy is not None
-    group = get_pool().submit(fns, None if policy.timeout is not None else plan.lanes)
+    group = collect.submit_backwards(mine, grads, fns,
+                                     None if policy.timeout is not None and not inline else lanes,
+                                     finish, deadline=policy.timeout)
     # Under a deadline the caller never runs a call itself: it could not leave
     # a straggler before the deadline.
-    if not group.wait(policy.timeout, help=policy.timeout is None):
+    if inline:
+        group.wait()
+    elif not group.wait(policy.timeout, help=policy.timeout is None):
         group.cancel()
     ok = [True] * len(calls)  # a call that did not run (unused) is no failure
     errors: List[Optional[BaseException]] = [None] * len(calls)

@@ -27,8 +27,9 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
+from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
-from .executor import TaskGroup, get_pool, run_all
+from .executor import TaskGroup
 from .module_call import Expert, ModuleCall, call_inline
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
@@ -113,11 +114,15 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     n = len(modules)
     flags = _per_call(checkpoint, n, "checkpoint")
     state = capture()
+    rngs = CallRng.fork_many(n)
+    # An expert may ask for its own record type (remote experts: calls that a
+    # collector sends, see moe_autograd.collect); a checkpointed call keeps ours.
     calls = [
-        ModuleCall(modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
-                   checkpoint=flags[i], check_finite_grads=check_finite_grads,
-                   validate=validate, index=i, state=state,
-                   name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
+        ((not flags[i] and call_type(modules[i])) or ModuleCall)(
+            modules[i], _as_args(inputs[i]), (kwargs[i] if kwargs else None) or {},
+            checkpoint=flags[i], check_finite_grads=check_finite_grads,
+            validate=validate, index=i, state=state, rng=rngs[i],
+            name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
     _import_lazy_modules(any(call.checkpoint for call in calls))
@@ -147,6 +152,7 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 name: str = "parallel_apply", labels: Optional[Sequence[str]] = None,
                 validate: Optional[Callable[[ModuleCall], None]] = None,
                 lanes: Optional[int] = None, measure: Optional[Measure] = None,
+                deadline: Optional[float] = None,
                 ) -> Tuple[List[ModuleCall], TaskGroup[ModuleCall]]:
     """Queues every call's forward on the pool, each call on a worker of its
     own (or on ``lanes`` threads, the caller's included when it helps); the
@@ -155,7 +161,9 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     ``labels`` name the calls in errors and profiler ranges (default
     ``call <i> of <n>``); ``validate`` runs on the worker after each forward
     and fails the call by raising; ``measure`` times each call for the
-    execution policy.
+    execution policy; ``deadline`` (seconds), when the caller stops waiting,
+    tells collected calls not to hold back an answer past it (see
+    :mod:`moe_autograd.collect`).
     """
     _check_lengths(name, len(modules), inputs, kwargs)
     check_parallel_mode(name, [inputs, kwargs, modules])
@@ -163,7 +171,7 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                                labels, validate)
     if measure is not None:
         tasks = [measure.timed(i, t) for i, t in enumerate(tasks)]
-    return calls, get_pool().submit(tasks, lanes)
+    return calls, submit_calls(calls, tasks, lanes, measure, deadline=deadline)
 
 
 def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] = None,
@@ -221,8 +229,8 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
         lanes = decision.lanes if decision.mode in (LANES, INLINE) else None
         calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
                                    None, None)
-        run_all([measure.timed(i, t) for i, t in enumerate(tasks)], "parallel_apply: call",
-                lanes=lanes)
+        run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],
+                  "parallel_apply: call", lanes=lanes, measure=measure)
         return finish_calls(calls, lanes=lanes)
 
 
@@ -233,7 +241,7 @@ def _inline(modules: Sequence[Expert], inputs: Sequence[Any],
     call order, as in every mode; not under a ``torch.func`` transform, whose
     randomness rules apply there)."""
     n = len(modules)
-    rngs = [CallRng.fork() if forked else None for _ in range(n)]
+    rngs: List[Optional[CallRng]] = list(CallRng.fork_many(n)) if forked else [None] * n
     results = []
     for i in range(n):
         name = f"parallel_apply: call {i} of {n}"

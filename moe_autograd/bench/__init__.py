@@ -157,9 +157,10 @@ NOTES: Dict[str, str] = {
                  "inside each expert's kernels, so the best the layer can do is cost nothing "
                  "extra (auto mode runs such calls inline or in lanes, see moe_autograd.policy); "
                  "the 256-expert row is dominated by per-call costs (32 tokens per expert).",
-    "remote": "Loopback RPC on this machine: every call costs CPU on both ends, so with few "
-              "cores the L = 5 ms rows are partly CPU-bound; the L = 50 ms rows show the "
-              "latency-bound behaviour.",
+    "remote": "Loopback RPC on this machine: every message costs CPU on both ends, so with few "
+              "cores the L = 5 ms rows are CPU-bound; the L = 50 ms rows show the "
+              "latency-bound behaviour. Ours sends one request per server and pass "
+              "(moe_autograd.remote.batching), torch one RPC per call and pass.",
     "elastic": "Servers that join are forked in advance (from a forkserver that imported "
                "torch) and wait for their cue, so the churn rows time the runtime's join and "
                "leave, not an interpreter's start-up; a churn block is back-to-back churn "

@@ -208,7 +208,7 @@ class MixtureOfExperts(nn.Module):
                 check_finite_grads=self.detect_anomalies, name="MixtureOfExperts",
                 labels=[f"expert {e}" for e in active],
                 validate=lambda call: self._validate(call, sizes[call.index]),
-                lanes=lanes, measure=measure,
+                lanes=lanes, measure=measure, deadline=self.forward_timeout,
             )
             started = time.monotonic()
             ok = gather(group, [routing.tokens[e] for e in active], num_tokens, self.k_min,

@@ -1,10 +1,13 @@
 """``RemoteExpert``: a module whose call runs on an :class:`ExpertServer`.
 
 Why a custom autograd Function (:class:`RemoteCall`): the remote call must
-take part in the caller's autograd graph like a local module, so that it works
-alone, inside :func:`moe_autograd.parallel_apply` (each call's forward and
-backward then run on their own worker thread, so remote calls overlap in both
-passes) and inside :func:`moe_autograd.map_with_parallel_backward`.
+take part in the caller's autograd graph like a local module when it is made
+alone. Inside a pass (:func:`moe_autograd.parallel_apply`,
+:func:`moe_autograd.map_with_parallel_backward` with :class:`RemoteCall`, a
+``MixtureOfExperts``), the calls are instead gathered by the runtime's
+collector hook and sent as one request per server, forward and backward, with
+no thread waiting per call (:mod:`.batching`); per call, everything below
+holds the same way.
 
 Per call, the client draws a seed with :meth:`CallRng.fork` (inside a
 checkpointed parent, from the parent's stream, so the recomputation sends the
@@ -57,14 +60,13 @@ from torch import Tensor, nn
 
 from ..phony import get_phony
 from ..rng import CallRng
-from .errors import RemoteExpertError, RemoteTimeoutError
-from .server import OPS, serve_release
-from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
-                        check_timeout, get_transport)
+from .batching import COLLECTOR, GRACE_S, Job, RemoteModuleCall, run_sync
+from .errors import RemoteExpertError
+from .server import serve_release
+from .transport import Transport, TransportError, check_timeout, get_transport
 
-__all__ = ["RemoteExpert", "RemoteCall", "flush_releases"]
+__all__ = ["RemoteExpert", "RemoteCall", "flush_releases", "GRACE_S"]
 
-GRACE_S = 0.2  # how long past a deadline we wait for the transport's own timeout
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
 
 
@@ -153,12 +155,27 @@ class RemoteCall(torch.autograd.Function):
     """The autograd node of one remote call: ``apply(call, phony, *args)``.
 
     Use :meth:`RemoteExpert.function_args` to build the arguments, e.g. for
-    :func:`moe_autograd.map_with_parallel_backward`.
+    :func:`moe_autograd.map_with_parallel_backward` (whose calls of this
+    Function are coalesced: ``moe_collector``).
     """
+
+    moe_collector = COLLECTOR
 
     @staticmethod
     def forward(ctx: Any, call: _Call, phony: Tensor, *args: Any) -> Tuple[Tensor, ...]:  # type: ignore[override]
-        outputs, diff = call.expert._forward(call, args, grad=True)
+        outputs, diff = run_sync(RemoteCall._forward_job((call, phony, *args)))
+        RemoteCall._fill_ctx(ctx, call, args, outputs, diff)
+        return tuple(outputs)
+
+    @staticmethod
+    def _forward_job(function_args: Sequence[Any]) -> Job:
+        call = function_args[0]
+        return call.expert._forward_job(call, function_args[2:], grad=True)
+
+    @staticmethod
+    def _fill_ctx(ctx: Any, call: _Call, args: Sequence[Any], outputs: Sequence[Tensor],
+                  diff: Sequence[bool]) -> None:
+        """What the node keeps of a forward (the real ctx, or a map's emulated one)."""
         ctx.call = call
         ctx.set_materialize_grads(False)
         ctx.devices = [a.device if isinstance(a, Tensor) else None for a in args]
@@ -169,28 +186,44 @@ class RemoteCall(torch.autograd.Function):
         nondiff = [o for o, d in zip(outputs, diff) if not d]
         if nondiff:
             ctx.mark_non_differentiable(*nondiff)
-        return tuple(outputs)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    def _backward_job(ctx: Any, grads: Sequence[Optional[Tensor]]
+                      ) -> Union[Job, Tuple[Optional[Tensor], ...]]:
+        """The backward's job, or its result when there is nothing to send;
+        the job's result is what :meth:`backward` returns."""
         call: _Call = ctx.call
+        devices = ctx.devices
         if call.mode == "none":
-            return (None, None, *[None] * len(ctx.devices))
+            return (None, None, *[None] * len(devices))
         args: Optional[List[Any]] = None
         if call.mode == "stateless":
             args = list(ctx.others)
             for k, tensor in zip(ctx.tensor_idx, ctx.saved_tensors):
                 args[k] = tensor
-        input_grads = call.expert._backward(call, args, grads)
-        if call.finalizer is not None:
-            call.finalizer.detach()  # the server freed the state itself
-        return (None, None, *[g.to(d) if g is not None and d is not None else None
-                              for g, d in zip(input_grads, ctx.devices)])
+        job = call.expert._backward_job(call, args, grads)
+        decode = job.decode
+
+        def on_devices(value: Any) -> Tuple[Optional[Tensor], ...]:
+            input_grads = decode(value)
+            return (None, None, *[g.to(d) if g is not None and d is not None else None
+                                  for g, d in zip(input_grads, devices)])
+        job.decode = on_devices
+        return job
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        job = RemoteCall._backward_job(ctx, grads)
+        return run_sync(job) if isinstance(job, Job) else job
 
 
 def _wire(value: Any) -> Any:
     return value.detach().cpu() if isinstance(value, Tensor) else value
+
+
+def _same(value: Any) -> Any:
+    return value
 
 
 class RemoteExpert(nn.Module):
@@ -210,6 +243,9 @@ class RemoteExpert(nn.Module):
     backwards (or :meth:`step` calls) reported as skipped for non-finite
     gradients (each also warns).
     """
+
+    #: The record of this expert's calls in a pass (see moe_autograd.collect).
+    moe_call_type = RemoteModuleCall
 
     def __init__(self, worker: str, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
@@ -280,56 +316,68 @@ class RemoteExpert(nn.Module):
                 "rpc.TensorPipeRpcBackendOptions(rpc_timeout=...), or give the expert a "
                 "forward_timeout/backward_timeout)")
 
-    def _request(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
-        where = self._where(what)
-        try:
-            pending = self.transport.call(self.worker, OPS[op], args, timeout)
-            reply = pending.result(None if timeout is None else timeout + GRACE_S)
-        except TransportSendError as error:
-            raise RemoteExpertError(f"{where} could not be sent: {error}") from error
-        except TransportTimeout as error:
-            limit = f"its {timeout:g} s deadline" if timeout is not None else self._transport_limit()
-            raise RemoteTimeoutError(f"{where} missed {limit} ({error})") from error
-        except TransportError as error:
-            raise RemoteExpertError(f"{where} failed (is the worker alive and reachable?): "
-                                    f"{error}") from error
-        if not (isinstance(reply, tuple) and len(reply) == 2):
-            raise RemoteExpertError(f"{where} got a malformed reply: {reply!r:.200}")
-        status, value = reply
-        if status != "ok":
-            raise RemoteExpertError(f"{where} failed on the server: {value}")
-        return value
+    def _job(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float],
+             decode: Any = None, abandon: Any = None) -> Job:
+        return Job(self.transport, self.worker, op, args, timeout,
+                   lambda: self._where(what), self._transport_limit,
+                   decode if decode is not None else _same, abandon)
 
-    def _forward(self, call: _Call, args: Sequence[Any], grad: bool) -> Tuple[List[Tensor], List[bool]]:
+    def _request(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
+        return run_sync(self._job(what, op, args, timeout))
+
+    def _new_call(self, seed: int) -> _Call:
+        return _Call(self, seed)
+
+    def _forward_job(self, call: _Call, args: Sequence[Any], grad: bool) -> Job:
+        """The forward of ``call``; its result is ``(outputs, differentiable)``
+        (outputs on the device of the first tensor argument), and ``call``
+        learns the server's strategy from the reply."""
         flags = [bool(grad and isinstance(a, Tensor) and a.requires_grad) for a in args]
         call.owner = self._owner("forward")
         request = (self.name, call.owner, call.call_id, call.seed, grad, flags,
                    tuple(_wire(a) for a in args))
-        try:
-            outputs, single, diff, mode = self._request("forward", "forward", request,
-                                                        self.forward_timeout)
-        except (RemoteTimeoutError, KeyboardInterrupt, SystemExit):
-            if grad:  # the server may still store a state for it: release it
-                _releaser.add(self.transport, self.worker, call.owner, call.call_id)
-            raise
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
-        call.single, call.mode, call.flags = single, mode, flags
-        if mode == "stateful":
-            call.arm()
-        return [o.to(device) for o in outputs], diff
 
-    def _backward(self, call: _Call, args: Optional[Sequence[Any]],
-                  grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+        def decode(value: Any) -> Tuple[List[Tensor], List[bool]]:
+            if not (isinstance(value, tuple) and len(value) == 4):
+                raise RemoteExpertError(f"{self._where('forward')} got a malformed reply: "
+                                        f"{value!r:.200}")
+            outputs, single, diff, mode = value
+            call.single, call.mode, call.flags = single, mode, flags
+            if mode == "stateful":
+                call.arm()
+            return [o.to(device) for o in outputs], diff
+
+        def abandon() -> None:  # the server may still store a state for it: release it
+            _releaser.add(self.transport, self.worker, call.owner, call.call_id)
+        return self._job("forward", "forward", request, self.forward_timeout, decode,
+                         abandon if grad else None)
+
+    def _forward(self, call: _Call, args: Sequence[Any], grad: bool) -> Tuple[List[Tensor], List[bool]]:
+        return run_sync(self._forward_job(call, args, grad))  # type: ignore[no-any-return]
+
+    def _backward_job(self, call: _Call, args: Optional[Sequence[Any]],
+                      grads: Sequence[Optional[Tensor]]) -> Job:
+        """The backward of ``call`` (``args`` None: stateful); its result is
+        one gradient per argument (None where none flows)."""
         request = (self.name, call.owner, call.call_id, call.seed,
                    None if args is None else tuple(_wire(a) for a in args),
                    call.flags, [_wire(g) for g in grads])
-        reply = self._request("backward", "backward", request, self.backward_timeout)
-        if not (isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], list)):
-            raise RemoteExpertError(f"{self._where('backward')} got a malformed reply: "
-                                    f"{reply!r:.200}")
-        input_grads, note = reply
-        self._note_skipped(note)
-        return input_grads
+
+        def decode(reply: Any) -> List[Optional[Tensor]]:
+            if not (isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], list)):
+                raise RemoteExpertError(f"{self._where('backward')} got a malformed reply: "
+                                        f"{reply!r:.200}")
+            input_grads, note = reply
+            if call.finalizer is not None:
+                call.finalizer.detach()  # the server freed the state itself
+            self._note_skipped(note)
+            return input_grads
+        return self._job("backward", "backward", request, self.backward_timeout, decode)
+
+    def _backward(self, call: _Call, args: Optional[Sequence[Any]],
+                  grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
+        return run_sync(self._backward_job(call, args, grads))  # type: ignore[no-any-return]
 
     def _note_skipped(self, note: Any) -> None:
         if note:

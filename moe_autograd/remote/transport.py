@@ -7,7 +7,10 @@ and passing it to ``RemoteExpert(..., transport=...)`` or :func:`set_transport`.
 
 The interface is deliberately tiny: ``call(worker, fn, args, timeout)`` runs
 the module-level function ``fn(*args)`` in the process named ``worker`` and
-returns a :class:`Pending` whose ``result(timeout)`` blocks for the reply.
+returns a :class:`Pending` whose ``result(timeout)`` blocks for the reply, and
+whose optional ``add_done_callback(fn)`` lets a caller be told instead of
+waiting (how :mod:`.batching` completes many calls without a thread each; a
+transport without it costs one waiting thread per request there).
 
 Invariants:
 
@@ -37,7 +40,7 @@ from typing import Any, Callable, Optional, Protocol, Tuple
 
 __all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
            "RpcTransport", "get_transport", "set_transport", "check_timeout",
-           "RPC_MAX_TIMEOUT_S", "WAIT_SLICE_S"]
+           "RPC_MAX_TIMEOUT_S", "WAIT_SLICE_S", "when_done"]
 
 RPC_MAX_TIMEOUT_S = 2_147_483.0  # the RPC agent keeps timeouts as int32 milliseconds
 WAIT_SLICE_S = 0.1  # longest a waiter stays in one blocking wait (signals, exit)
@@ -84,6 +87,12 @@ class Pending(Protocol):
     def done(self) -> bool:
         ...
 
+    # Optional: ``add_done_callback(fn: Callable[[], None]) -> None`` calls
+    # ``fn()`` once the reply or the failure is there (at once if it is
+    # already), on whichever thread completes it; ``result`` then returns or
+    # raises without blocking. Not part of the protocol, so that a transport
+    # written before it still type-checks: see :func:`when_done`.
+
 
 class Transport(Protocol):
     """What remote experts need of a transport."""
@@ -98,6 +107,39 @@ class Transport(Protocol):
     def local_name(self) -> str:
         """This process's worker name."""
         ...
+
+
+def when_done(pending: Pending, fn: Callable[[Any, Optional[BaseException]], None],
+              timeout: Optional[float]) -> None:
+    """Calls ``fn(reply, None)`` or ``fn(None, error)`` once ``pending`` is
+    done: from its ``add_done_callback`` if it has one (at once if it is done
+    already), else from a daemon thread that waits ``result(timeout)`` for it
+    (one thread per request, for transports without callbacks)."""
+
+    def outcome() -> None:
+        try:
+            reply = pending.result(None)  # done: returns or raises at once
+        except Exception as error:  # noqa: BLE001 - handed to fn
+            fn(None, error)
+            return
+        fn(reply, None)
+
+    add = getattr(pending, "add_done_callback", None)
+    if add is not None:
+        add(outcome)
+        return
+    if pending.done():
+        outcome()
+        return
+
+    def wait() -> None:
+        try:
+            reply = pending.result(timeout)
+        except Exception as error:  # noqa: BLE001 - handed to fn
+            fn(None, error)
+            return
+        fn(reply, None)
+    threading.Thread(target=wait, daemon=True, name="moe_autograd-remote-wait").start()
 
 
 def _is_timeout(error: BaseException) -> bool:
@@ -122,6 +164,11 @@ class _RpcPending:
 
     def done(self) -> bool:
         return bool(self._future.done())
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        # Runs on the agent's thread that completes the future (or here, if
+        # done): ``fn`` must not block.
+        self._future.add_done_callback(lambda _: fn())
 
     def result(self, timeout: Optional[float]) -> Any:
         future = self._future

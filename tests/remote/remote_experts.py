@@ -133,7 +133,66 @@ def setup_servers() -> List[ExpertServer]:
         ExpertServer({"skip_lin": nn.Linear(WIDTH, WIDTH)}, optimizer=sgd),
         ExpertServer({"raise_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful", optimizer=sgd,
                      non_finite_grads="raise"),
+        # the coalescing tests (test_remote_batching.py)
+        ExpertServer({"gate": Gate()}),
+        ExpertServer({"bt_sf_slow": Sleepy(1.0, fwd=True, bwd=False),
+                      "bt_sf_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful", state_ttl=30.0),
     ]
+
+
+# -- the coalescing tests: a gate that holds calls on the server ------------------------
+_gate = threading.Event()
+_gate_lock = threading.Lock()
+_gate_waiting = 0
+
+
+class Gate(nn.Module):
+    """Waits (up to 20 s) until :func:`open_gate`; counts the calls waiting."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        global _gate_waiting
+        with _gate_lock:
+            _gate_waiting += 1
+        try:
+            _gate.wait(20.0)
+        finally:
+            with _gate_lock:
+                _gate_waiting -= 1
+        return x * 2
+
+
+def close_gate() -> None:
+    _gate.clear()
+
+
+def open_gate() -> None:
+    _gate.set()
+
+
+def gate_waiting() -> int:
+    return _gate_waiting
+
+
+def pool_busy() -> int:
+    """Calls running on this process's worker pool now."""
+    from moe_autograd.executor import get_pool
+
+    return len(get_pool()._running)
+
+
+def set_linger(seconds: float) -> float:
+    """Sets how long a coalesced request's ready answers wait for their
+    siblings (LINGER_MIN_S) in this process; returns the old value."""
+    from moe_autograd.remote import batch_server
+
+    old, batch_server.LINGER_MIN_S = batch_server.LINGER_MIN_S, seconds
+    return old
+
+
+def kept_batches() -> int:
+    from moe_autograd.remote import batch_server
+
+    return batch_server.kept_batches()
 
 
 # -- another client: these run on a server process, which then calls a peer ----

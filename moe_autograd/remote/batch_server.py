@@ -1,0 +1,252 @@
+"""``serve_batch`` / ``serve_collect``: the calls of one client's pass in one request.
+
+Why: a pass of ``parallel_apply``, ``map_with_parallel_backward`` or a
+``MixtureOfExperts`` sends all its calls to one server as ONE request (see
+:mod:`.batching`, the client side): per-message costs (a Python RPC costs
+about a millisecond of CPU over both ends on loopback) are paid once per
+server and pass instead of once per call.
+
+What a request holds: ``jobs``, each ``(op, args, answer_by)`` where ``op`` is
+``"forward"`` or ``"backward"``, ``args`` exactly what :func:`serve_forward` /
+:func:`serve_backward` take, and ``answer_by`` the call's own deadline in
+seconds (``None``: none). Each job runs as that single-call request would,
+through the same function: the same checks (owner and 128-bit call id, byte
+caps, quotas, backward validated before its state is taken), the same errors
+naming the expert, the same state rules. A failing job fails only itself.
+
+The jobs of a request run concurrently (one pool worker each, see
+:mod:`moe_autograd.executor`) and are answered together, except that an
+answer is not held back for a slower sibling for long: once some answers are
+ready, the request waits at most ``max(LINGER_MIN_S, LINGER_SHARE x`` the
+time the first of them took``)`` more, and never past a ready job's
+``answer_by`` (less :data:`MARGIN_S`, for the way back); then it replies with
+the ready answers, keeps the batch, and the client asks for the rest with
+``serve_collect``, which waits the same way. So a fast call keeps its own
+deadline (and its place in a ``MixtureOfExperts`` quorum) whatever its
+siblings do, and a request with no straggler costs one message each way.
+
+Lifecycle of a batch::
+
+    event                                 what happens
+    ------------------------------------  --------------------------------------------
+    serve_batch (owner, batch id, jobs)   validated (a malformed request is refused as
+                                          a whole); every job queued on the pool
+    all jobs answered                     one reply with every answer; batch forgotten
+    linger over, some jobs still running  reply with the ready answers, ``more=True``;
+                                          batch kept (by owner and id) for collection
+    serve_collect from its owner          waits as above for the remaining answers
+    serve_collect from another worker,    ("error", ...): unknown batch; nothing changes
+    or for an unknown / dropped batch
+    kept, no collect for BATCH_TTL_S      dropped (the client gave up on its calls)
+    owner keeps > MAX_KEPT_PER_OWNER      the owner's oldest kept batch is dropped
+
+Invariants:
+
+* ``serve_batch`` / ``serve_collect`` never raise: an error is an
+  ``("error", text)`` reply; each job's answer is the ``Reply`` its
+  single-call function gives.
+* What one client keeps here is bounded (:data:`MAX_KEPT_PER_OWNER` batches,
+  each at most :data:`MAX_JOBS` answers, for at most :data:`BATCH_TTL_S`
+  after its last reply); no client can collect or drop another's batch.
+* Every job of a request is answered in exactly one reply.
+"""
+import math
+import numbers
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from ..executor import get_pool
+from .server import serve_backward, serve_forward
+
+__all__ = ["serve_batch", "serve_collect", "kept_batches", "MAX_JOBS", "LINGER_MIN_S", "LINGER_SHARE",
+           "MARGIN_S", "BATCH_TTL_S", "MAX_KEPT_PER_OWNER"]
+
+Reply = Tuple[str, Any]
+MAX_JOBS = 4096          # calls in one request
+LINGER_MIN_S = 0.01      # an answer waits at least this long for its siblings...
+LINGER_SHARE = 1.0       # ...or this share of the time it took, whichever is longer
+MARGIN_S = 0.005         # a ready answer leaves this long before its call's deadline
+BATCH_TTL_S = 60.0       # a partly answered batch waits this long for a collect
+MAX_KEPT_PER_OWNER = 64  # partly answered batches kept per client
+_MAX_ID_CHARS = 256
+_JOBS: Dict[str, Callable[..., Reply]] = {"forward": serve_forward, "backward": serve_backward}
+
+
+def _ident(what: str, value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
+        raise TypeError(f"{what} must be a non-empty str of at most {_MAX_ID_CHARS} "
+                        f"characters, got {value!r:.80}")
+    return value
+
+
+def _answer_by(value: Any) -> Optional[float]:
+    if value is None:
+        return None
+    seconds = float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) \
+        else math.nan
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise TypeError(f"a job's answer_by must be None or positive seconds, got {value!r:.40}")
+    return seconds
+
+
+def _run_job(op: str, args: Any, owner: str) -> Reply:
+    try:
+        if not isinstance(args, (tuple, list)) or len(args) < 2:
+            raise TypeError(f"a {op} job's arguments must be a tuple, got {args!r:.80}")
+        if args[1] != owner:
+            raise PermissionError(f"a job of worker {args[1]!r:.80} in a request of worker "
+                                  f"{owner!r}: a request carries its own client's calls only")
+        return _JOBS[op](*args)
+    except Exception as error:  # noqa: BLE001 - the job's own error reply
+        return "error", f"{type(error).__name__}: {error}"
+
+
+class _Batch:
+    """The answers of one request, as the jobs finish (thread-safe)."""
+
+    def __init__(self, answer_by: List[Optional[float]]) -> None:
+        n = len(answer_by)
+        self.start = time.monotonic()
+        self.answer_by = answer_by
+        self.answers: List[Optional[Reply]] = [None] * n
+        self.ready_at = [0.0] * n
+        self.sent = [False] * n
+        self.unsent = n
+        self.done = 0  # answers ready so far
+        self.waiting = 0  # ready answers not sent yet
+        self.wake_at = math.inf  # when the waiting request wakes by itself
+        # Past every job's deadline the client has given up on all of them.
+        limits = [a for a in answer_by if a is not None]
+        self.give_up = self.start + max(limits) if len(limits) == n else None
+        self.expires = math.inf
+        self.cond = threading.Condition()
+
+    def finish(self, i: int, reply: Reply) -> None:
+        with self.cond:
+            self.answers[i] = reply
+            self.ready_at[i] = time.monotonic()
+            self.done += 1
+            self.waiting += 1
+            # The waiter acts on the first answer of a round (it sets the
+            # linger), on the last one, and on one that must leave before it
+            # would wake; waking it for the others would only cost a GIL hand-off.
+            limit = self.answer_by[i]
+            if self.waiting == 1 or self.done == len(self.answers) or (
+                    limit is not None and self.start + limit - MARGIN_S < self.wake_at):
+                self.cond.notify_all()
+
+    def _flush_at(self, ready: List[int]) -> float:
+        first = min(self.ready_at[i] for i in ready)
+        at = first + max(LINGER_MIN_S, LINGER_SHARE * (first - self.start))
+        for i in ready:
+            limit = self.answer_by[i]
+            if limit is not None:
+                at = min(at, self.start + limit - MARGIN_S)
+        return at
+
+    def reply(self) -> Tuple[List[Optional[Reply]], bool]:
+        """Waits as the module docstring says; the answers not sent before
+        (None for those still running) and whether some are still running."""
+        with self.cond:
+            while True:
+                ready = [i for i, a in enumerate(self.answers) if a is not None and not self.sent[i]]
+                if len(ready) == self.unsent:
+                    break
+                now = time.monotonic()
+                until = self._flush_at(ready) if ready else self.give_up
+                if until is not None and now >= until:
+                    break
+                # Slices: a request never sleeps past a server's close for long.
+                pause = 1.0 if until is None else min(1.0, until - now)
+                self.wake_at = now + pause
+                self.cond.wait(pause)
+            self.wake_at = math.inf
+            out: List[Optional[Reply]] = [None] * len(self.answers)
+            for i in ready:
+                out[i] = self.answers[i]
+                self.answers[i] = None  # the tensors go with the reply
+                self.sent[i] = True
+            self.unsent -= len(ready)
+            self.waiting -= len(ready)
+            return out, self.unsent > 0
+
+
+_kept: "OrderedDict[Tuple[str, str], _Batch]" = OrderedDict()  # oldest expiry first
+_kept_lock = threading.Lock()
+
+
+def _sweep_locked(now: float) -> None:
+    while _kept:
+        key, batch = next(iter(_kept.items()))
+        if batch.expires > now:
+            return
+        del _kept[key]
+
+
+def _keep(owner: str, batch_id: str, batch: _Batch) -> None:
+    now = time.monotonic()
+    batch.expires = now + BATCH_TTL_S
+    with _kept_lock:
+        _sweep_locked(now)
+        _kept[(owner, batch_id)] = batch
+        _kept.move_to_end((owner, batch_id))
+        mine = [key for key in _kept if key[0] == owner]
+        for key in mine[:max(0, len(mine) - MAX_KEPT_PER_OWNER)]:
+            del _kept[key]
+
+
+def _answer(owner: str, batch_id: str, batch: _Batch) -> Reply:
+    answers, more = batch.reply()
+    if more:
+        _keep(owner, batch_id, batch)
+    return "ok", (answers, more)
+
+
+def serve_batch(owner: str, batch_id: str, jobs: Sequence[Any]) -> Reply:
+    """``("ok", (answers, more))``: one ``Reply`` per job (None for a job still
+    running: collect it with :func:`serve_collect`), ``more`` if any is."""
+    try:
+        owner, batch_id = _ident("the client's worker name", owner), _ident("batch id", batch_id)
+        if not isinstance(jobs, (list, tuple)) or not 0 < len(jobs) <= MAX_JOBS:
+            raise TypeError(f"jobs must be a list of 1 to {MAX_JOBS} jobs, got "
+                            f"{type(jobs).__name__}")
+        parsed: List[Tuple[str, Any, Optional[float]]] = []
+        for job in jobs:
+            if not (isinstance(job, (list, tuple)) and len(job) == 3 and job[0] in _JOBS):
+                raise TypeError(f"a job must be (op, args, answer_by) with op in {sorted(_JOBS)}, "
+                                f"got {job!r:.80}")
+            parsed.append((job[0], job[1], _answer_by(job[2])))
+        with _kept_lock:
+            if (owner, batch_id) in _kept:
+                raise ValueError(f"batch id {batch_id!r} is in use: batch ids must be unique")
+    except Exception as error:  # noqa: BLE001 - a request must never harm the server
+        return "error", f"{type(error).__name__}: {error}"
+    batch = _Batch([a for _, _, a in parsed])
+
+    def task(i: int, op: str, args: Any) -> Callable[[], None]:
+        return lambda: batch.finish(i, _run_job(op, args, owner))
+    get_pool().submit([task(i, op, args) for i, (op, args, _) in enumerate(parsed)])
+    return _answer(owner, batch_id, batch)
+
+
+def serve_collect(owner: str, batch_id: str) -> Reply:
+    """The answers of a batch that :func:`serve_batch` (or an earlier
+    collect) left running, as ``serve_batch`` replies."""
+    try:
+        key = (_ident("the client's worker name", owner), _ident("batch id", batch_id))
+        with _kept_lock:
+            batch = _kept.pop(key, None)
+        if batch is None:
+            raise LookupError(f"unknown batch {batch_id!r} of worker {owner!r} (answered "
+                              f"already, or dropped after {BATCH_TTL_S:g} s without a collect)")
+    except Exception as error:  # noqa: BLE001
+        return "error", f"{type(error).__name__}: {error}"
+    return _answer(owner, batch_id, batch)
+
+
+def kept_batches() -> int:
+    """How many partly answered batches this process keeps (tests, stats)."""
+    with _kept_lock:
+        return len(_kept)

@@ -1,0 +1,604 @@
+"""Coalesced, asynchronous remote calls: one request per server per pass.
+
+Why: a remote call mostly waits. Sent one by one from pool workers, every call
+of a pass costs a Python RPC of its own (about a millisecond of CPU over both
+ends on loopback) and parks a worker thread that must be woken, take the GIL
+and hand back. Here the calls of one pass (a ``parallel_apply``, a
+``map_with_parallel_backward``, a ``MixtureOfExperts`` step; forward, and
+again backward) are gathered by the runtime's collector hook (see
+:mod:`moe_autograd.collect`), grouped by server into ONE request each
+(:mod:`.batch_server` runs its calls concurrently there), sent asynchronously
+through the transport seam, and completed from the transport's callbacks: no
+thread waits per call, the caller alone waits on its batch. Everything here
+sits above :class:`~moe_autograd.remote.transport.Transport` (``call`` plus
+the optional ``add_done_callback``), so another engine plugs in unchanged.
+
+Pieces:
+
+* :class:`Job`: one call's part of a request (the single-call request it
+  stands for, its deadline, how to read its answer). :class:`RemoteExpert`
+  builds them; :func:`run_sync` runs one alone (a call outside a pass).
+* :func:`send`: groups jobs by (transport, worker) into :class:`_Request` s.
+* the deadline watcher: ONE daemon thread ends every job whose deadline
+  passes (``forward_timeout``/``backward_timeout``, or the transport's own
+  timeout for a job without one).
+* :class:`RemoteModuleCall`: the call record of a ``RemoteExpert`` in a pass,
+  and :data:`COLLECTOR`, the runtime's collector for remote records and
+  ``RemoteCall`` maps.
+
+Lifecycle of one job in a request::
+
+    state   event                                     what happens
+    ------  ----------------------------------------  -----------------------------------
+    open    its answer arrives (in a reply or in a    decoded -> completed with the result,
+            collect's reply)                          or with the server's error
+    open    its deadline passes (the watcher)         abandoned (a stateful forward's state
+                                                      released) -> RemoteTimeoutError
+    open    the message cannot be sent / fails        RemoteExpertError (RemoteTimeoutError
+            (peer dead, timeout, malformed reply)     for a timeout, which also abandons)
+    ended   anything                                  ignored: a late answer is dropped
+    (request) a reply says ``more`` and a job is      one ``serve_collect`` for the rest
+              open
+
+Invariants:
+
+* Per call, everything of a single-call request holds: the server runs each
+  job through ``serve_forward``/``serve_backward`` (owner, 128-bit id, byte
+  caps, quotas, validation before a state is taken), every error names the
+  call's worker and expert, each call keeps its own deadline (a ready answer
+  is not held back by a slower sibling, see :mod:`.batch_server`), and a
+  failing call fails only itself.
+* Each job is completed exactly once; completions run on the transport's
+  threads (or the watcher's) and never block.
+* Seeds are drawn as a call on a worker draws them (from the call's own
+  random stream, forked on the caller in call order), so results do not
+  depend on coalescing.
+"""
+import heapq
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..autograd import EmulatedAutogradContext
+from ..module_call import ModuleCall
+from ..rng import CallRng
+from .batch_server import serve_batch, serve_collect
+from .errors import RemoteExpertError, RemoteTimeoutError
+from .server import OPS
+from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
+                        when_done)
+
+__all__ = ["Job", "run_sync", "send", "RemoteModuleCall", "COLLECTOR", "GRACE_S"]
+
+GRACE_S = 0.2  # how long past a deadline we wait for the transport's own timeout
+Done = Callable[[int, Any, Optional[BaseException]], None]
+_log = logging.getLogger(__name__)
+
+
+class Job:
+    """One call's part of a request: ``OPS[op](*args)`` on ``worker``.
+
+    ``timeout`` is the call's own deadline in seconds (None: the transport's
+    timeout); ``where()`` names the call in errors (``forward of expert 'e' on
+    worker 'w'``) and ``limit()`` the transport's timeout; ``decode(value)``
+    turns the server's ``("ok", value)`` into the call's result (raising
+    :class:`RemoteExpertError` if malformed); ``abandon()``, if set, runs when
+    the caller gives up on the call (deadline, Ctrl-C)."""
+
+    __slots__ = ("transport", "worker", "op", "args", "timeout", "where", "limit", "decode",
+                 "abandon", "answer_by")
+
+    def __init__(self, transport: Transport, worker: str, op: str, args: Tuple[Any, ...],
+                 timeout: Optional[float], where: Callable[[], str], limit: Callable[[], str],
+                 decode: Callable[[Any], Any],
+                 abandon: Optional[Callable[[], None]] = None) -> None:
+        self.transport, self.worker, self.op, self.args = transport, worker, op, args
+        self.timeout, self.where, self.limit = timeout, where, limit
+        self.decode, self.abandon = decode, abandon
+        #: When the caller needs the answer (its deadline, or the pass's if
+        #: sooner): the server holds no ready answer back past it.
+        self.answer_by = timeout
+
+    def _deadline_text(self) -> str:
+        return f"its {self.timeout:g} s deadline" if self.timeout is not None else self.limit()
+
+    def failure(self, error: BaseException) -> RemoteExpertError:
+        """The error of this call when its message failed with ``error``."""
+        where = self.where()
+        if isinstance(error, TransportSendError):
+            return RemoteExpertError(f"{where} could not be sent: {error}")
+        if isinstance(error, TransportTimeout):
+            return RemoteTimeoutError(f"{where} missed {self._deadline_text()} ({error})")
+        return RemoteExpertError(f"{where} failed (is the worker alive and reachable?): {error}")
+
+    def outcome(self, reply: Any) -> Any:
+        """The call's result from its ``Reply``; raises its error."""
+        if not (isinstance(reply, tuple) and len(reply) == 2):
+            raise RemoteExpertError(f"{self.where()} got a malformed reply: {reply!r:.200}")
+        status, value = reply
+        if status != "ok":
+            raise RemoteExpertError(f"{self.where()} failed on the server: {value}")
+        return self.decode(value)
+
+
+def run_sync(job: Job) -> Any:
+    """Runs ``job`` alone and waits for it (Ctrl-C-able, see the transport)."""
+    try:
+        pending = job.transport.call(job.worker, OPS[job.op], job.args, job.timeout)
+        reply = pending.result(None if job.timeout is None else job.timeout + GRACE_S)
+    except TransportError as error:
+        failure = job.failure(error)
+        if isinstance(failure, RemoteTimeoutError) and job.abandon is not None:
+            job.abandon()
+        raise failure from error
+    except (KeyboardInterrupt, SystemExit):
+        if job.abandon is not None:
+            job.abandon()
+        raise
+    return job.outcome(reply)
+
+
+# -- the deadline watcher ----------------------------------------------------------
+class _Watch:
+    """One daemon thread that expires jobs at their deadlines.
+
+    A request is held here while it has open jobs (whatever the transport
+    keeps of it, its deadlines fire) and let go when its last job ends; the
+    heap's entries hold it weakly (a finished request, and its tensors, are
+    not kept until a far deadline), and dead entries are compacted away."""
+
+    def __init__(self) -> None:
+        self._heap: List[Tuple[float, int, Any, Tuple[int, ...]]] = []
+        self._cond = threading.Condition()
+        self._seq = itertools.count()
+        self._started = False
+        self._compact_at = 4096
+        self._open: set = set()  # requests with open jobs
+
+    def hold(self, request: "_Request") -> None:
+        with self._cond:
+            self._open.add(request)
+
+    def let_go(self, request: "_Request") -> None:
+        with self._cond:
+            self._open.discard(request)
+
+    def add(self, deadline: float, request: "_Request", ks: Tuple[int, ...]) -> None:
+        """Expires the jobs ``ks`` of ``request`` at ``deadline``."""
+        with self._cond:
+            if not self._started:
+                self._started = True
+                threading.Thread(target=self._run, daemon=True,
+                                 name="moe_autograd-remote-deadlines").start()
+            heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(request), ks))
+            if self._heap[0][0] == deadline:
+                self._cond.notify()
+            if len(self._heap) > self._compact_at:
+                self._heap = [e for e in self._heap if _live(e)]
+                heapq.heapify(self._heap)
+                self._compact_at = max(4096, 2 * len(self._heap))
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                now = time.monotonic()
+                due = []
+                while self._heap and self._heap[0][0] <= now:
+                    due.append(heapq.heappop(self._heap))
+                if not due:
+                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
+                    continue
+            for _, _, ref, ks in due:
+                request = ref()
+                if request is not None:
+                    for k in ks:
+                        request.expire(k)
+
+
+def _live(entry: Tuple[float, int, Any, Tuple[int, ...]]) -> bool:
+    request = entry[2]()
+    return request is not None and any(request.open[k] for k in entry[3])
+
+
+_watch = _Watch()
+
+
+def _after_fork_in_child() -> None:  # the parent's watcher thread does not exist here
+    global _watch
+    _watch = _Watch()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- requests -------------------------------------------------------------------------
+def _default_timeout(transport: Transport) -> Optional[float]:
+    get = getattr(transport, "default_timeout", None)
+    return get() if get is not None else None
+
+
+class _Request:
+    """The jobs of one pass for one (transport, worker): see the module's
+    lifecycle table."""
+
+    __slots__ = ("jobs", "slots", "done", "transport", "worker", "batch_id", "open", "left",
+                 "deadlines", "_lock", "__weakref__")
+
+    def __init__(self, jobs: List[Job], slots: List[int], done: Done) -> None:
+        self.jobs, self.slots, self.done = jobs, slots, done
+        self.transport, self.worker = jobs[0].transport, jobs[0].worker
+        self.batch_id = secrets.token_hex(16) if len(jobs) > 1 else None
+        self.open = [True] * len(jobs)
+        self.left = len(jobs)  # open jobs
+        self.deadlines: List[Optional[float]] = []
+        self._lock = threading.Lock()
+
+    def send(self) -> None:
+        _watch.hold(self)
+        now = time.monotonic()
+        default = None
+        if any(job.timeout is None for job in self.jobs):
+            default = _default_timeout(self.transport)
+        due: Dict[float, List[int]] = {}  # deadline -> the jobs it ends (one watcher entry each)
+        for k, job in enumerate(self.jobs):
+            limit = job.timeout if job.timeout is not None else default
+            deadline = None if limit is None else now + limit
+            self.deadlines.append(deadline)
+            if deadline is not None:
+                due.setdefault(deadline, []).append(k)
+        for deadline, ks in due.items():
+            _watch.add(deadline, self, tuple(ks))
+        if self.batch_id is None:
+            job = self.jobs[0]
+            self._call(OPS[job.op], job.args)
+        else:
+            owner = self.jobs[0].args[1]
+            self._call(serve_batch, (owner, self.batch_id,
+                                     [(job.op, job.args, job.answer_by) for job in self.jobs]))
+
+    def _timeout(self) -> Optional[float]:
+        """The message's own timeout: until the last open job's deadline
+        (plus grace: the watcher ends each job at its own), None if an open
+        job has none."""
+        deadlines = [d for d, o in zip(self.deadlines, self.open) if o]
+        if any(d is None for d in deadlines):
+            return None
+        return max(0.001, max(deadlines) - time.monotonic() + GRACE_S)  # type: ignore[type-var, operator]
+
+    def _call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+        timeout = self._timeout()
+        try:
+            pending = self.transport.call(self.worker, fn, args, timeout)
+        except Exception as error:  # noqa: BLE001 - the calls fail, the caller goes on
+            self._fail(error if isinstance(error, TransportError)
+                       else TransportSendError(f"{type(error).__name__}: {error}"))
+            return
+        when_done(pending, self._on_reply, None if timeout is None else timeout + GRACE_S)
+
+    def _end(self, k: int) -> bool:
+        with self._lock:
+            if not self.open[k]:
+                return False
+            self.open[k] = False
+            self.left -= 1
+            last = not self.left
+        if last:
+            _watch.let_go(self)
+        return True
+
+    def _deliver(self, k: int, value: Any, error: Optional[BaseException]) -> None:
+        try:
+            self.done(self.slots[k], value, error)
+        except Exception:  # noqa: BLE001 - a completion must not kill the transport's thread
+            _log.exception("completing a remote call failed")
+
+    def _answer(self, k: int, reply: Any) -> None:
+        if not self._end(k):
+            return  # late: the call timed out already
+        try:
+            value = self.jobs[k].outcome(reply)
+        except Exception as error:  # noqa: BLE001 - this call's own error
+            self._deliver(k, None, error)
+            return
+        self._deliver(k, value, None)
+
+    def _fail(self, error: BaseException, only: Optional[Sequence[int]] = None) -> None:
+        for k in (range(len(self.jobs)) if only is None else only):
+            if not self._end(k):
+                continue
+            job = self.jobs[k]
+            failure = error if isinstance(error, RemoteExpertError) else job.failure(error)
+            if isinstance(failure, RemoteTimeoutError) and job.abandon is not None:
+                job.abandon()
+            self._deliver(k, None, failure)
+
+    def _fail_each(self, text: Callable[[Job], str]) -> None:
+        for k, job in enumerate(self.jobs):
+            if self._end(k):
+                self._deliver(k, None, RemoteExpertError(text(job)))
+
+    def _on_reply(self, reply: Any, error: Optional[BaseException]) -> None:
+        if error is not None:
+            self._fail(error)
+            return
+        if self.batch_id is None:
+            self._answer(0, reply)
+            return
+        n = len(self.jobs)
+        if not (isinstance(reply, tuple) and len(reply) == 2):
+            self._fail_each(lambda job: f"{job.where()} got a malformed reply: {reply!r:.200}")
+            return
+        status, value = reply
+        if status != "ok":
+            self._fail_each(lambda job: f"{job.where()} failed on the server: {value}")
+            return
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], list)
+                and len(value[0]) == n):
+            self._fail_each(lambda job: f"{job.where()} got a malformed reply: {value!r:.200}")
+            return
+        answers, more = value
+        for k, answer in enumerate(answers):
+            if answer is not None:
+                self._answer(k, answer)
+        if not any(self.open):
+            return
+        if more:
+            self._call(serve_collect, (self.jobs[0].args[1], self.batch_id))
+        else:
+            self._fail_each(lambda job: f"{job.where()} got no answer in its request's reply")
+
+    def expire(self, k: int) -> None:
+        """The watcher: job ``k``'s deadline passed."""
+        if not self._end(k):
+            return
+        job = self.jobs[k]
+        if job.abandon is not None:
+            job.abandon()
+        seconds = job.timeout if job.timeout is not None else _default_timeout(self.transport)
+        waited = f"no reply within {seconds:g} s" if seconds is not None else "no reply"
+        self._deliver(k, None, RemoteTimeoutError(f"{job.where()} missed "
+                                                  f"{job._deadline_text()} ({waited})"))
+
+
+def send(jobs: Sequence[Job], done: Done, deadline: Optional[float] = None) -> None:
+    """Sends ``jobs`` as one request per (transport, worker); ``done(i, value,
+    error)`` completes ``jobs[i]``, once, from the transport's or the
+    watcher's thread (or from here, for a request that cannot be sent).
+    ``deadline``: when the caller stops waiting for all of them."""
+    groups: Dict[Tuple[int, str], List[int]] = {}
+    for i, job in enumerate(jobs):
+        if deadline is not None and (job.answer_by is None or deadline < job.answer_by):
+            job.answer_by = deadline
+        groups.setdefault((id(job.transport), job.worker), []).append(i)
+    for slots in groups.values():
+        _Request([jobs[i] for i in slots], slots, done).send()
+
+
+# -- the records of a pass, and the runtime's collector -------------------------------
+def _peer(expert: Any) -> Tuple[int, str]:
+    return id(expert.transport), expert.worker
+
+
+def _pipelined(n: int, peer: Callable[[int], Any], make: Callable[[int], Any], finish: Done,
+               deadline: Optional[float]) -> None:
+    """Builds the jobs of calls ``0..n-1`` and sends them one peer at a time,
+    so that a server's request leaves while the next one is built.
+    ``make(k)`` returns call ``k``'s :class:`Job`, or its result when there
+    is nothing to send; ``finish(k, value, error)`` ends call ``k``."""
+    by_peer: Dict[Any, List[int]] = {}
+    for k in range(n):
+        try:
+            key = peer(k)
+        except Exception:  # noqa: BLE001 - make(k) reports what is wrong with it
+            key = None
+        by_peer.setdefault(key, []).append(k)
+    for ks in by_peer.values():
+        jobs: List[Job] = []
+        mine: List[int] = []
+        for k in ks:
+            try:
+                job = make(k)
+            except Exception as error:  # noqa: BLE001 - this call's own failure
+                finish(k, None, error)
+                continue
+            if isinstance(job, Job):
+                jobs.append(job)
+                mine.append(k)
+            else:
+                finish(k, job, None)
+        if jobs:
+            def done(j: int, value: Any, error: Optional[BaseException],
+                     mine: List[int] = mine) -> None:
+                finish(mine[j], value, error)
+            send(jobs, done, deadline)
+
+
+class _Collector:
+    """Starts remote calls of a pass as coalesced requests (the runtime's
+    :class:`~moe_autograd.collect.Collector`)."""
+
+    def start_calls(self, calls: Sequence[Any], complete: Callable[..., None],
+                    deadline: Optional[float] = None) -> None:
+        def finish(k: int, value: Any, error: Optional[BaseException]) -> None:
+            call = calls[k]
+            if error is None:
+                try:
+                    call._complete_forward(value)
+                except Exception as failure:  # noqa: BLE001 - e.g. the caller's validate
+                    error = failure
+            complete(k, call if error is None else None, error)
+        _pipelined(len(calls), lambda k: _peer(calls[k].module),
+                   lambda k: calls[k]._forward_job(), finish, deadline)
+
+    def start_applies(self, func: Any, args: Sequence[Tuple[Any, ...]],
+                      complete: Callable[..., None]) -> None:
+        def finish(k: int, value: Any, error: Optional[BaseException]) -> None:
+            if error is None:
+                try:
+                    a = args[k]
+                    ctx = EmulatedAutogradContext(
+                        tuple([isinstance(x, Tensor) and x.requires_grad for x in a]))
+                    detached = [x.detach().requires_grad_(x.requires_grad)
+                                if isinstance(x, Tensor) else x for x in a]
+                    outputs, diff = value
+                    func._fill_ctx(ctx, detached[0], detached[2:], outputs, diff)
+                    complete(k, (ctx, tuple(outputs)), None)
+                    return
+                except Exception as failure:  # noqa: BLE001
+                    error = failure
+            complete(k, None, error)
+        _pipelined(len(args), lambda k: _peer(args[k][0].expert),
+                   lambda k: func._forward_job(args[k]), finish, None)
+
+    def start_backwards(self, calls: Sequence[Any], grads: Sequence[Any],
+                        complete: Callable[..., None], deadline: Optional[float] = None) -> None:
+        def expert(k: int) -> Any:
+            call = calls[k]
+            return call.module if isinstance(call, RemoteModuleCall) else call.ctx.call.expert
+
+        def make(k: int) -> Any:
+            call = calls[k]
+            if isinstance(call, RemoteModuleCall):
+                return call._backward_job(grads[k])
+            # a map's record of RemoteCall: its emulated ctx (a Job, or the
+            # result itself when no output needed a gradient)
+            if call.ctx is None:
+                raise RuntimeError(f"{call.func.__name__}: backward after its state was freed")
+            return call.func._backward_job(call.ctx, grads[k])
+        _pipelined(len(calls), lambda k: _peer(expert(k)), make, complete, deadline)
+
+
+#: The collector of remote records (``RemoteModuleCall.collector``) and of
+#: ``RemoteCall`` maps (``RemoteCall.moe_collector``).
+COLLECTOR = _Collector()
+
+
+_specs: dict = {}
+
+
+def _output_spec(n: int) -> Any:
+    """The pytree spec of a lone tensor (``n = -1``) or of a tuple of ``n``."""
+    spec = _specs.get(n)
+    if spec is None:
+        dummy = torch.empty(0)
+        spec = _specs[n] = tree_flatten(dummy if n < 0 else (dummy,) * n)[1]
+    return spec
+
+
+class RemoteModuleCall(ModuleCall):
+    """The record of one ``RemoteExpert`` call in a pass (the expert's
+    ``moe_call_type``): started by :data:`COLLECTOR`, with no local graph.
+
+    Its ``inputs`` are the caller's tensors that require grad (the expert's
+    parameters live on the server); its ``outputs`` the reply's tensors;
+    ``backward`` sends the output gradients (the stateless inputs too) and
+    returns the input gradients. A call the collector cannot carry exactly
+    (keyword arguments, tensors nested in an argument that require grad) has
+    ``collector`` None and runs as a plain :class:`ModuleCall` on a worker,
+    as does a record that the runtime runs on a worker (``forward()``).
+    """
+
+    collector: Any = COLLECTOR
+
+    def __init__(self, module: Any, args: Tuple[Any, ...], kwargs: Any, **options: Any) -> None:
+        super().__init__(module, args, kwargs, **options)
+        self._grad = torch.is_grad_enabled()
+        self._remote: Any = None  # the client's _Call once sent
+        self._diff: List[bool] = []
+        self._single = True  # the expert returned one tensor (not a tuple)
+        self._positions = [k for k, a in enumerate(args)
+                           if isinstance(a, Tensor) and a.requires_grad]
+        # Arguments that are all leaves of their own (tensors, scalars): the
+        # detached leaves are the arguments, in order (no pytree on the way).
+        assert self._leaves is not None
+        self._flat = len(self._leaves) == len(args)
+        if kwargs or self.checkpoint or len(self._positions) != len(self.inputs):
+            self.collector = None
+
+    # -- run on a worker (not collected) ------------------------------------------------
+    def forward(self) -> "ModuleCall":
+        self.collector = None  # its backward runs on a worker too, through its graph
+        return super().forward()
+
+    # -- collected ------------------------------------------------------------------------
+    def _args(self) -> List[Any]:
+        assert self._leaves is not None
+        if self._flat:
+            return list(self._leaves)
+        args, _ = tree_unflatten(self._leaves, self._in_spec)
+        return list(args)
+
+    def _forward_job(self) -> Job:
+        with self.rng.activate():  # the seed a call on a worker draws (RemoteExpert.forward)
+            seed = CallRng.fork().seed
+        expert: Any = self.module  # a RemoteExpert (this record is its moe_call_type)
+        call = expert._new_call(seed)
+        job: Job = expert._forward_job(call, self._args(), self._grad)
+        self._remote = call
+        return job
+
+    def _complete_forward(self, value: Tuple[List[Tensor], List[bool]]) -> None:
+        outputs, diff = value
+        self._diff = list(diff)
+        self.outputs = outputs
+        self.non_differentiable = [o for o, d in zip(outputs, diff) if not d]
+        self._out_leaves = outputs
+        self._single = self._remote.single
+        self._out_spec = _output_spec(-1 if self._single else len(outputs))
+        if self.validate is not None:
+            self.validate(self)
+
+    def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
+        if self.collector is None:
+            return super().rebuild(outer_outputs)
+        return outer_outputs[0] if self._single else tuple(outer_outputs)
+
+    @property
+    def needs_grad(self) -> bool:
+        if self.collector is None:
+            return super().needs_grad
+        return torch.is_grad_enabled() and any(self._diff)
+
+    def prepare(self) -> None:
+        if self.collector is None:
+            super().prepare()  # the parameters its graph reaches (none: the server has them)
+
+    def _backward_job(self, grads: Sequence[Optional[Tensor]]) -> Job:
+        call = self._remote
+        if call is None or self._leaves is None:
+            raise RuntimeError(f"{self.name}: backward after its graph was freed")
+        args = None if call.mode == "stateful" else self._args()
+        expert: Any = self.module
+        job: Job = expert._backward_job(call, args, grads)
+        return job
+
+    def backward(self, grad_outputs: Any) -> Any:
+        if self.collector is None:
+            return super().backward(grad_outputs)
+        return run_sync(self._backward_job(grad_outputs))
+
+    def input_grads(self, raw: Any) -> List[Optional[Tensor]]:
+        if self.collector is None:
+            return raw  # type: ignore[no-any-return]
+        grads: List[Optional[Tensor]] = []
+        for k, inp in zip(self._positions, self.inputs):
+            g = raw[k] if k < len(raw) else None
+            grads.append(None if g is None else g.to(inp.device))
+        if self.check_finite_grads:
+            for g in grads:
+                if g is not None and not bool(torch.isfinite(g).all()):
+                    raise FloatingPointError(f"{self.name}: non-finite gradient")
+        return grads
+
+    def release(self) -> None:
+        super().release()
+        self._remote = None  # an unused stateful call's finalizer releases its state
