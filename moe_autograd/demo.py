@@ -163,7 +163,7 @@ class SequentialMixture(nn.Module):
 def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, label: str,
            quiet: bool) -> List[float]:
     """Trains with the fault-tolerant layer; returns the step times (s)."""
-    from tqdm import tqdm
+    from tqdm import tqdm  # type: ignore[import-untyped]
 
     # Remote experts hold no parameters here: their servers step them.
     opt = torch.optim.Adam(model.parameters(), lr=lr)
