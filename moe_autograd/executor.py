@@ -39,6 +39,8 @@ worker inside a torch op when the interpreter finalises makes torch abort the
 process ("terminate called without an active exception", exit status 134).
 """
 import atexit
+import math
+import numbers
 import os
 import queue
 import threading
@@ -46,7 +48,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, Set, TypeVar
 
-__all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled"]
+__all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled", "check_timeout",
+           "MAX_TIMEOUT_S"]
 
 T = TypeVar("T")
 
@@ -380,6 +383,27 @@ def _forget_pool_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_pool_after_fork)
+
+
+#: The longest wait the executor's deadlines accept: ``now + this`` still waits.
+MAX_TIMEOUT_S = float(threading.TIMEOUT_MAX) / 2
+
+
+def check_timeout(name: str, value: Any, limit: float = MAX_TIMEOUT_S) -> Optional[float]:
+    """The deadline a user's ``value`` means: ``None`` and ``math.inf`` give
+    ``None`` (no deadline), a positive finite number of seconds is kept
+    (clamped to ``limit``); ``nan``, zero, negative values and non-numbers
+    raise (``ValueError`` / ``TypeError``) naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be None, math.inf or a positive number of seconds, "
+                        f"got {type(value).__name__} {value!r:.40}")
+    seconds = float(value)
+    if math.isnan(seconds) or seconds <= 0:
+        raise ValueError(f"{name} must be None, math.inf or a positive number of seconds, "
+                         f"got {value!r}")
+    return None if math.isinf(seconds) else min(seconds, limit)
 
 
 def run_all(fns: Sequence[Callable[[], T]], what: Optional[str] = "call", *,

@@ -19,37 +19,15 @@ deadline is set (a straggler cannot hold the caller), it returns by the
 deadline however long a call runs, and calls that had not started by then are
 cancelled. A call that finishes late is simply never looked at again.
 """
-import math
-import numbers
-import threading
 import time
 from typing import Any, List, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..executor import TaskGroup
+from ..executor import MAX_TIMEOUT_S, TaskGroup, check_timeout
 
 __all__ = ["gather", "check_timeout", "MAX_TIMEOUT_S"]
-
-MAX_TIMEOUT_S = float(threading.TIMEOUT_MAX) / 2  # a deadline "now + this" still waits
-
-
-def check_timeout(name: str, value: Any) -> Optional[float]:
-    """``None``/``math.inf`` -> ``None`` (no limit); positive seconds are kept,
-    clamped to :data:`MAX_TIMEOUT_S`; ``nan``, zero, negative values raise
-    ``ValueError`` and non-numbers ``TypeError``, naming ``name``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be None, math.inf or a positive number of seconds, "
-                        f"got {type(value).__name__} {value!r:.40}")
-    seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be None, math.inf or a positive number of seconds, "
-                         f"got {value!r}")
-    return None if math.isinf(seconds) else min(seconds, MAX_TIMEOUT_S)
-
 
 def gather(group: TaskGroup[Any], call_tokens: Sequence[Tensor], num_tokens: int, k_min: int,
            forward_timeout: Optional[float], timeout_after_k_min: Optional[float]) -> List[bool]:

@@ -32,11 +32,11 @@ Invariants:
   thread gets Ctrl-C (``KeyboardInterrupt``) within a slice, and a waiting
   daemon thread can be stopped at interpreter exit.
 """
-import math
-import numbers
 import threading
 import time
 from typing import Any, Callable, Optional, Protocol, Tuple
+
+from ..executor import check_timeout as _check_timeout
 
 __all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
            "RpcTransport", "get_transport", "set_transport", "check_timeout",
@@ -47,20 +47,9 @@ WAIT_SLICE_S = 0.1  # longest a waiter stays in one blocking wait (signals, exit
 
 
 def check_timeout(name: str, value: Any, limit: float = RPC_MAX_TIMEOUT_S) -> Optional[float]:
-    """The deadline a user's ``value`` means: ``None`` and ``math.inf`` give
-    ``None`` (no deadline of its own), a positive finite number of seconds is
-    kept (clamped to ``limit``); ``nan``, zero, negative values and non-numbers
-    raise (``ValueError`` / ``TypeError``) naming ``name``."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be None, math.inf or a positive number of seconds, "
-                        f"got {type(value).__name__} {value!r:.40}")
-    seconds = float(value)
-    if math.isnan(seconds) or seconds <= 0:
-        raise ValueError(f"{name} must be None, math.inf or a positive number of seconds, "
-                         f"got {value!r}")
-    return None if math.isinf(seconds) else min(seconds, limit)
+    """:func:`moe_autograd.executor.check_timeout`, clamped to what the RPC
+    agent can carry."""
+    return _check_timeout(name, value, limit)
 
 
 class TransportError(Exception):
