@@ -171,17 +171,24 @@ def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, la
     bar = tqdm(range(steps), desc=label, disable=quiet, ncols=90, file=sys.stdout,
                mininterval=0.5)
     for _ in bar:
-        x, y = task.batch(batch)
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits, aux = model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        (loss + 0.01 * aux).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
+        seconds, logits, y, loss = train_step(model, opt, task, batch)
+        times.append(seconds)
         acc = (logits.argmax(-1) == y).float().mean().item()
         bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
     return times
+
+
+def train_step(model: Model, opt: torch.optim.Optimizer, task: "RegionTask", batch: int
+               ) -> Tuple[float, Tensor, Tensor, Tensor]:
+    """One training step on a fresh batch: ``(seconds, logits, labels, loss)``."""
+    x, y = task.batch(batch)
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    logits, aux = model(x)
+    loss = nn.functional.cross_entropy(logits, y)
+    (loss + 0.01 * aux).backward()
+    opt.step()
+    return time.perf_counter() - start, logits, y, loss
 
 
 def _time_sequential(model: Model, task: RegionTask, steps: int, batch: int

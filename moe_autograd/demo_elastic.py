@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
-from .demo import Expert, Model, RegionTask
+from .demo import Expert, Model, RegionTask, train_step
 
 __all__ = ["main"]
 
@@ -213,14 +213,8 @@ def _train(demo: _Demo, fleet: Any, model: Model, task: RegionTask, port: int
             demo.note("stop server_a (SIGTERM: a clean leave; server_d serves its experts)")
             leave_pending = False
         before = book.totals()
-        x, y = task.batch(args.batch)
-        start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits, aux = model(x)
-        loss = nn.functional.cross_entropy(logits, y)
-        (loss + 0.01 * aux).backward()
-        opt.step()
-        times.append(time.perf_counter() - start)
+        seconds, logits, y, loss = train_step(model, opt, task, args.batch)
+        times.append(seconds)
         after = book.totals()
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))

@@ -7,12 +7,10 @@ from moe_autograd.dependency import fork, join
 from moe_autograd.phony import get_phony
 
 
-@pytest.mark.timeout(30)
-def test_fork_join_orders_backward():
-    """A Function hung off the fork's phony runs before the gradient of the
-    forked tensor passes the fork."""
-    timeline = []
 
+def _logging_identity(timeline):
+    """An identity Function ``apply(name, x)`` whose backward appends ``name``
+    to ``timeline``."""
     class Log(torch.autograd.Function):
         @staticmethod
         def forward(ctx, name, x):
@@ -23,6 +21,14 @@ def test_fork_join_orders_backward():
         def backward(ctx, grad):
             timeline.append(ctx.name)
             return None, grad
+    return Log
+
+@pytest.mark.timeout(30)
+def test_fork_join_orders_backward():
+    """A Function hung off the fork's phony runs before the gradient of the
+    forked tensor passes the fork."""
+    timeline = []
+    Log = _logging_identity(timeline)
 
     a = torch.rand(1, requires_grad=True)
     b = torch.rand(1, requires_grad=True)
@@ -119,17 +125,7 @@ def test_public_fork_join_functions_as_in_the_pipeline_library():
     assert dependency._Fork is Fork and dependency._Join is Join  # old spellings kept
     assert {"Fork", "Join", "fork", "join"} <= set(dependency.__all__)
     timeline = []
-
-    class Log(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, name, x):
-            ctx.name = name
-            return x.detach()
-
-        @staticmethod
-        def backward(ctx, grad):
-            timeline.append(ctx.name)
-            return None, grad
+    Log = _logging_identity(timeline)
 
     a = torch.rand(1, requires_grad=True)
     b = torch.rand(1, requires_grad=True)
