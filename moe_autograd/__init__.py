@@ -30,6 +30,7 @@ from .autograd import (
     run_isolated_forward,
 )
 from .checkpoint import is_checkpointing, is_recomputing
+from .module_call import ForeignGraphError
 from .parallel import parallel_apply, recompute_early
 from .policy import execution_stats
 
@@ -47,6 +48,7 @@ __all__ = [
     "is_checkpointing",
     "is_recomputing",
     "execution_stats",
+    "ForeignGraphError",
     "MixtureOfExperts",
     "NotEnoughExperts",
     "run_experts",

@@ -157,15 +157,6 @@ def submit(calls: Sequence[Any], tasks: Sequence[Callable[[], T]], lanes: Option
     return group
 
 
-def _raise_first(group: TaskGroup[Any], what: Optional[str]) -> None:
-    for i, error in enumerate(group.errors):
-        if error is not None:
-            note = f"{what} {i} of {len(group)}"
-            if what is not None and note not in getattr(error, "__notes__", ()):
-                error.add_note(note)
-            raise error
-
-
 def run(calls: Sequence[Any], tasks: Sequence[Callable[[], T]], what: Optional[str] = "call", *,
         lanes: Optional[int] = None, measure: Optional[Measure] = None) -> List[T]:
     """:func:`submit`, joined: :func:`~moe_autograd.executor.run_all` for
@@ -175,7 +166,7 @@ def run(calls: Sequence[Any], tasks: Sequence[Callable[[], T]], what: Optional[s
         return run_all(tasks, what, lanes=lanes)
     group = submit(calls, tasks, lanes, measure, groups)
     group.wait()
-    _raise_first(group, what)
+    group.raise_first_error(what)
     return group.results  # type: ignore[return-value]
 
 
@@ -187,7 +178,7 @@ def run_applies(func: Any, collector: Collector, args: Sequence[Tuple[Any, ...]]
     _launch(group, range(n), lambda complete: collector.start_applies(func, args, complete),
             measure)
     group.wait()
-    _raise_first(group, what)
+    group.raise_first_error(what)
     return group.results
 
 
@@ -231,5 +222,5 @@ def run_backwards(calls: Sequence[Any], grads: Sequence[Any], tasks: Sequence[Ca
         return run_all(tasks, None, lanes=lanes)
     group = submit_backwards(calls, grads, tasks, lanes, finish, groups)
     group.wait()
-    _raise_first(group, None)
+    group.raise_first_error(None)
     return group.results  # type: ignore[return-value]

@@ -200,13 +200,14 @@ class TaskGroup(Generic[T]):
             self.errors[i] = CallCancelled("cancelled before it started: the deadline passed")
             self._finish(i, _CANCELLED)
 
-    def raise_first_error(self, what: str = "call") -> None:
+    def raise_first_error(self, what: Optional[str] = "call") -> None:
         """Re-raises the error of the lowest-numbered failed call, noting
-        which call it was as ``call <i> of <n>``."""
+        which call it was as ``<what> <i> of <n>`` (no note if ``what`` is
+        None: the calls noted their errors themselves)."""
         for i, error in enumerate(self.errors):
             if error is not None:
                 note = f"{what} {i} of {len(self)}"
-                if note not in getattr(error, "__notes__", ()):
+                if what is not None and note not in getattr(error, "__notes__", ()):
                     error.add_note(note)
                 raise error
 
@@ -425,14 +426,5 @@ def run_all(fns: Sequence[Callable[[], T]], what: Optional[str] = "call", *,
             raise
     group = get_pool().submit(fns, lanes)
     group.wait()
-    _raise_first(group.errors, what)
+    group.raise_first_error(what)
     return group.results  # type: ignore[return-value]
-
-
-def _raise_first(errors: Sequence[Optional[BaseException]], what: Optional[str]) -> None:
-    for i, error in enumerate(errors):
-        if error is not None:
-            note = f"{what} {i} of {len(errors)}"
-            if what is not None and note not in getattr(error, "__notes__", ()):
-                error.add_note(note)
-            raise error

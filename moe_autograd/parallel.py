@@ -93,14 +93,11 @@ def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[boo
     return [bool(v) for v in values]
 
 
-def _import_lazy_modules(checkpoint: bool) -> None:
-    """PyTorch imports sympy (first backward with explicit gradients) and
-    dynamo (first dispatch mode: the RNG of a checkpointed call) on first use,
-    which takes seconds. Paid here, on the caller's thread, before any
+def _import_lazy_modules() -> None:
+    """PyTorch imports sympy on the first backward with explicit gradients,
+    which takes seconds: paid here, on the caller's thread, before any
     deadline starts, rather than inside the first calls' deadlines."""
     import torch.fx.experimental.symbolic_shapes  # noqa: F401
-    if checkpoint:
-        import torch._dynamo  # noqa: F401
 
 
 def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
@@ -125,7 +122,7 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
             name=f"{name}: {labels[i] if labels else f'call {i} of {n}'}")
         for i in range(n)
     ]
-    _import_lazy_modules(any(call.checkpoint for call in calls))
+    _import_lazy_modules()
     grad_enabled = torch.is_grad_enabled()
 
     def task(call: ModuleCall) -> Callable[[], ModuleCall]:

@@ -199,15 +199,13 @@ class Measure:
         self.walls[i] = time.perf_counter() - started[0]
 
     def timed(self, i: int, fn: Callable[[], T]) -> Callable[[], T]:
-        walls, cpus = self.walls, self.cpus
-
+        """``fn``, recording its times as call ``i`` wherever it runs."""
         def run() -> T:
-            wall, cpu = time.perf_counter(), time.thread_time()
+            started = self.start()
             try:
                 return fn()
             finally:
-                cpus[i] = time.thread_time() - cpu
-                walls[i] = time.perf_counter() - wall
+                self.stop(i, started)
         return run
 
     def __enter__(self) -> "Measure":

@@ -784,3 +784,16 @@ def test_thread_count_stable_over_many_calls(thread_guard):
     workers = [t for t in threading.enumerate() if t.name.startswith("moe_autograd-worker-")]
     assert len(workers) <= pool.max_workers
     assert threading.active_count() <= before + pool.max_workers
+
+
+def test_closure_over_a_non_leaf_raises_and_over_a_leaf_is_a_parameter():
+    from moe_autograd import ForeignGraphError
+    w = torch.randn(4, 4, dtype=DT, requires_grad=True)
+    x = torch.randn(2, 4, dtype=DT, requires_grad=True)
+    w2 = w.tanh()
+    with pytest.raises(ForeignGraphError, match="call 0 of 1.*pass that tensor as an input"):
+        parallel_apply([lambda a: a @ w2], [x])
+    (out,) = parallel_apply([lambda a: a @ w], [x])
+    out.sum().backward()
+    want = x.detach().t() @ torch.ones(2, 4, dtype=DT)
+    torch.testing.assert_close(w.grad, want)

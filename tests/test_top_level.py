@@ -18,7 +18,7 @@ DEFINED_IN = {
     "run_isolated_forward": "moe_autograd.autograd",
     "run_isolated_backward": "moe_autograd.autograd",
     "is_checkpointing": "moe_autograd.checkpoint", "is_recomputing": "moe_autograd.checkpoint",
-    "execution_stats": "moe_autograd.policy",
+    "execution_stats": "moe_autograd.policy", "ForeignGraphError": "moe_autograd.module_call",
 }
 
 

@@ -310,7 +310,7 @@ def _client_main(port: int, quick: bool, servers: Sequence[str], queue: Any) -> 
 
 # What every process of the world imports: loaded once by the forkserver, which
 # forks the server and client processes ready to go (see _context).
-_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.rpc", "torch.distributed.autograd",
+_PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.autograd",
             "moe_autograd.remote.loopback", "moe_autograd.remote.server",
             "moe_autograd.remote.client", __name__]
 
@@ -318,8 +318,8 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.distributed.rpc", "torch.distribute
 def _context() -> Any:
     """The processes' start method: ``forkserver`` where the platform has it.
 
-    Each spawned process would import torch and the package (and a server
-    also torch._dynamo, in its warm-up): seconds of CPU each, most of a quick
+    Each spawned process would import torch and the package: seconds of CPU
+    each, most of a quick
     run on a machine with few cores. The forkserver imports them once, in a
     process that computes nothing (no intra-op pool is started, so forking
     it is as safe as DataLoader's fork workers), and forks every process of

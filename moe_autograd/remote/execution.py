@@ -32,9 +32,9 @@ Grads = List[Optional[Tensor]]
 
 
 def warm_up() -> None:
-    """Pays one-time costs (about a second each: lazy imports of the first RNG
-    dispatch mode, and of ``autograd.backward`` with explicit gradients) at
-    server start, not inside the first request's deadline."""
+    """Pays one-time costs (the first random-stream activation, and the
+    lazy imports of ``autograd.backward`` with explicit gradients, about a
+    second) at server start, not inside the first request's deadline."""
     with torch.enable_grad(), CallRng(0).activate():
         y = torch.ones(1, requires_grad=True).mul(2)
     torch.autograd.backward([y], [torch.ones_like(y)])
