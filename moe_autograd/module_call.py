@@ -30,7 +30,7 @@ Invariants:
 """
 import threading
 from contextlib import nullcontext
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -70,6 +70,18 @@ def _next_sequence_nr() -> Optional[int]:
     with torch.enable_grad():
         node = _PROBE.view(0).grad_fn
     return None if node is None else int(node._sequence_nr()) + 1
+
+
+_CreationMeta = torch._C._autograd.CreationMeta
+_REPLAYABLE = (_CreationMeta.DEFAULT, _CreationMeta.NO_GRAD_MODE)
+
+
+def _replayable_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view that its base's view ops alone made (not the
+    output of a custom Function, which its node must see, nor of a
+    multi-output view op such as ``unbind``), so that replaying those ops on
+    another base gives what the loop gives."""
+    return t._is_view() and torch._C._autograd._get_creation_meta(t) in _REPLAYABLE
 
 
 class ForeignGraphError(RuntimeError):
@@ -147,6 +159,12 @@ class ModuleCall(IsolatedCall):
         self.checkpoint = checkpoint and torch.is_grad_enabled()
         self.check_finite_grads = check_finite_grads
         leaves, self._in_spec = tree_flatten((args, kwargs))
+        #: The caller's own arguments, for outputs that are inputs (see rebuild).
+        self._originals: Optional[List[Any]] = leaves
+        #: How the result's tensors are rebuilt (None: each is a root, in order).
+        self._layout: Optional[List[Tuple[str, int]]] = None
+        self._roots: List[Tuple[int, bool]] = []
+        self._tensors: Optional[List[Tensor]] = None
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
         self._leaves: Optional[List[Any]] = [
             v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
@@ -186,15 +204,75 @@ class ModuleCall(IsolatedCall):
         out_leaves, self._out_spec = tree_flatten(result)
         self._out_leaves = out_leaves
         self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
+        if self.validate is not None:
+            self.validate(self)
+        self._plan_outputs()
+        return self
+
+    def _plan_outputs(self) -> None:
+        """Which of the result's tensors the node must carry (its *roots*),
+        and how every other one is rebuilt in the caller's graph as the loop
+        would give it: an input returned as is is the caller's tensor itself;
+        a tensor of no graph of the call's (a parameter, a constant) passes
+        through; the same tensor twice is one object twice; a view of an
+        input, of a parameter or of another output is replayed as that view of
+        its outer base, so PyTorch's own view and in-place rules apply to it
+        (the base of a view of an internal tensor is a hidden root)."""
+        assert self._leaves is not None
+        tensors = self.outputs
+        inputs = {id(v): j for j, v in enumerate(self._leaves) if isinstance(v, Tensor)}
+        known: Dict[int, Tuple[str, int]] = {}  # id(tensor) -> where its outer tensor is
+        layout: List[Tuple[str, int]] = []
+        roots: List[Tuple[int, bool]] = []  # (position, whether its base is the root)
+
+        def source(t: Tensor, k: int, hidden: bool) -> Tuple[str, int]:
+            found = known.get(id(t))
+            if found is not None:
+                return found
+            if id(t) in inputs:
+                found = ("input", inputs[id(t)])
+            elif t.grad_fn is None and (t.requires_grad or not self.checkpoint):
+                found = ("self", k)  # a parameter or a constant: the loop returns it as is
+            else:
+                found = ("root", len(roots))
+                roots.append((k, hidden))
+            known[id(t)] = found
+            return found
+
+        for k, t in enumerate(tensors):
+            base = t._base if _replayable_view(t) else None
+            if id(t) in known or base is None:
+                layout.append(source(t, k, False))
+            else:
+                where, at = source(base, k, True)
+                layout.append(("view-" + where, at))
+                known[id(t)] = ("same", k)
+        if all(kind == "root" for kind, _ in layout) and len(roots) == len(tensors):
+            self._layout = None  # the common case
+        else:
+            self._layout = layout
+            self._roots = roots
+            self.outputs = self._roots_of(tensors)
+        self._tensors = tensors if self._layout is not None else None
         if not self.checkpoint:
             self._local_outputs = self.outputs
             self.non_differentiable = [o for o in self.outputs if not o.requires_grad]
         else:
             self.non_differentiable = [o for o in self.outputs
                                        if not (o.is_floating_point() or o.is_complex())]
-        if self.validate is not None:
-            self.validate(self)
-        return self
+
+    def _roots_of(self, tensors: Sequence[Tensor]) -> List[Tensor]:
+        if self._layout is None:
+            return list(tensors)
+        roots = []
+        for k, hidden in self._roots:
+            t = tensors[k]
+            base = t._base if hidden else t
+            if base is None:
+                raise RuntimeError(f"{self.name}: the recomputation returned a tensor that is "
+                                   f"not a view where the forward returned a view (output {k})")
+            roots.append(base)
+        return roots
 
     def _declared_params(self) -> List[Tensor]:
         if not isinstance(self.module, nn.Module):
@@ -230,8 +308,34 @@ class ModuleCall(IsolatedCall):
         return any(o.requires_grad for o in self.outputs)
 
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
-        """The call's result with ``outer_outputs`` in place of its tensors."""
-        it = iter(outer_outputs)
+        """The call's result with ``outer_outputs`` (the node's, one per root)
+        in place of its tensors (see :meth:`_plan_outputs`)."""
+        if self._layout is None:
+            self._originals = None
+            it = iter(outer_outputs)
+            leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
+            return tree_unflatten(leaves, self._out_spec)
+        tensors = self._tensors
+        originals = self._originals
+        assert tensors is not None and originals is not None
+        self._tensors = self._originals = None  # the result holds what it needs
+        outer: List[Tensor] = []
+        for k, (kind, at) in enumerate(self._layout):
+            if kind == "root":
+                value = outer_outputs[at]
+            elif kind == "input":
+                value = originals[at]
+            elif kind == "self":
+                value = tensors[at]
+            elif kind == "same":
+                value = outer[at]
+            else:  # a view, replayed on its outer base
+                base_kind = kind[len("view-"):]
+                base = (outer_outputs[at] if base_kind == "root" else originals[at]
+                        if base_kind == "input" else tensors[k]._base)
+                value = tensors[k]._view_func(base)
+            outer.append(value)
+        it = iter(outer)
         leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
         return tree_unflatten(leaves, self._out_spec)
 
@@ -243,7 +347,7 @@ class ModuleCall(IsolatedCall):
         with torch.enable_grad(), enable_recomputing(), \
                 rng.activate() if rng.drew is not False else nullcontext():
             result = self._call()
-        outputs = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+        outputs = self._roots_of([v for v in tree_flatten(result)[0] if isinstance(v, Tensor)])
         known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
         # Empty leaves (the phonies that order nodes, a remote call's say)
         # carry no gradient to lose.
@@ -302,6 +406,7 @@ class ModuleCall(IsolatedCall):
         # Recompute node reference it): drop the caller's tensors too.
         self.inputs = []
         self.params = []
+        self._originals = self._tensors = None
         self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None

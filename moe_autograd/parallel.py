@@ -178,9 +178,10 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     if not calls:
         return []
     if not any(call.needs_grad for call in calls):
+        results = [call.rebuild(call.outputs) for call in calls]
         for call in calls:
             call.release()
-        return [call.rebuild(call.outputs) for call in calls]
+        return results
     for call in calls:
         call.prepare()
     attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)

@@ -22,7 +22,8 @@ A *stream* is active on a thread inside ``with stream.activate():``. Two kinds:
 
 * :class:`CallRng`: a 64-bit seed, forked from the default CPU generator in
   call order (so a whole run stays reproducible under
-  :func:`torch.manual_seed`). Every activation draws the same numbers from
+  :func:`torch.manual_seed`), and drawn from it only once one of the batch's
+  calls draws a random number. Every activation draws the same numbers from
   private generators seeded afresh by it, one per device.
 * :class:`ReplayRng`: what :func:`~moe_autograd.checkpoint.checkpoint` uses.
   Its first activation draws what the code would have drawn without it, from
@@ -69,7 +70,9 @@ Invariants
 * The same stream and the same sequence of random ops on the activating thread
   give the same values, whatever other threads draw meanwhile.
 * Inside :meth:`CallRng.activate` the global generators are neither read nor
-  advanced. Inside the first :meth:`ReplayRng.activate` they are read at the
+  advanced, but for the one draw of a lazily forked batch's seeds (from the
+  default CPU generator, at the batch's first random op): a batch of calls that
+  draw nothing leaves every global generator as a plain loop of them would. Inside the first :meth:`ReplayRng.activate` they are read at the
   first draw per device and advanced once, at exit, to where the plain code
   would have left them (unless another thread drew from them meanwhile: then
   they are left as that thread left them).
@@ -216,22 +219,66 @@ class _Activation:
         return gen
 
 
+class _LazySeeds:
+    """The seeds of a batch of streams forked outside any stream: drawn from
+    the default CPU generator, all at once, when the first of them is needed
+    (the first random op of any of the calls). A batch whose calls draw
+    nothing leaves the global generator untouched, as the plain calls would."""
+
+    __slots__ = ("n", "values", "lock")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.values: Optional[List[int]] = None
+        self.lock = threading.Lock()
+
+    def get(self, i: int) -> int:
+        values = self.values
+        if values is None:
+            with self.lock:
+                values = self.values
+                if values is None:
+                    # An explicit generator: the router passes it through,
+                    # whichever stream is active on the drawing thread.
+                    values = self.values = torch.empty(self.n, dtype=torch.int64).random_(
+                        -(1 << 63), None, generator=torch.default_generator).tolist()
+        return values[i]
+
+
 class CallRng:
-    """The random stream of one call: a seed, replayed by every :meth:`activate`."""
+    """The random stream of one call: a seed, replayed by every :meth:`activate`.
 
-    __slots__ = ("seed", "drew")
+    A stream forked outside any stream gets its seed lazily (see
+    :class:`_LazySeeds`): the default generator is read only if a call draws."""
 
-    def __init__(self, seed: int) -> None:
-        self.seed: int = int(seed) & _MASK64
+    __slots__ = ("_seed", "_lazy", "drew")
+
+    def __init__(self, seed: Optional[int] = None, lazy: Optional[Tuple[_LazySeeds, int]] = None
+                 ) -> None:
+        self._seed: Optional[int] = None if seed is None else int(seed) & _MASK64
+        self._lazy = lazy
         #: Whether a random op drew from this stream during the last
         #: :meth:`activate` (None before the first). A replay of a run that drew
         #: nothing needs no routing: the same ops draw nothing again.
         self.drew: Optional[bool] = None
 
+    @property
+    def seed(self) -> int:
+        """The stream's 64-bit seed (drawn now if it is still lazy)."""
+        seed = self._seed
+        if seed is None:
+            assert self._lazy is not None
+            seeds, i = self._lazy
+            seed = self._seed = seeds.get(i) & _MASK64
+        return seed
+
     @classmethod
     def fork(cls, generator: Optional[torch.Generator] = None) -> "CallRng":
-        """Draws a fresh 64-bit seed from ``generator`` (default: the default
-        CPU generator, or the active stream if this thread is in one)."""
+        """A fresh stream: a 64-bit seed from ``generator``, or from the
+        active stream if this thread is in one, drawn now; otherwise from the
+        default CPU generator, drawn when the stream first draws."""
+        if generator is None and not _local.stack:
+            return cls(lazy=(_LazySeeds(1), 0))
         buffer = _local.seed_buffer
         if buffer is None:
             buffer = _local.seed_buffer = torch.empty((), dtype=torch.int64)
@@ -240,11 +287,15 @@ class CallRng:
     @classmethod
     def fork_many(cls, n: int) -> List["CallRng"]:
         """``n`` streams, forked in order with one draw of ``n`` seeds (as
-        :meth:`fork`: from the default CPU generator, or the active stream)."""
+        :meth:`fork`: from the active stream now, or from the default CPU
+        generator when one of them first draws)."""
+        if not _local.stack:
+            seeds = _LazySeeds(n)
+            return [cls(lazy=(seeds, i)) for i in range(n)]
         if n == 1:
             return [cls.fork()]
-        seeds = torch.empty(n, dtype=torch.int64).random_(-(1 << 63), None)
-        return [cls(seed) for seed in seeds.tolist()]
+        drawn = torch.empty(n, dtype=torch.int64).random_(-(1 << 63), None)
+        return [cls(seed) for seed in drawn.tolist()]
 
     def activate(self) -> _Activation:
         """Context manager: routes this thread's random ops to generators
@@ -266,7 +317,9 @@ class CallRng:
         self.drew = activation.drew
 
     def __repr__(self) -> str:
-        return f"CallRng(seed={self.seed:#018x})"
+        if self._seed is None:
+            return "CallRng(seed not drawn yet)"
+        return f"CallRng(seed={self._seed:#018x})"
 
 
 def _default_generator(device: torch.device) -> torch.Generator:
