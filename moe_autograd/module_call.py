@@ -29,6 +29,7 @@ Invariants:
   inputs included.
 """
 import threading
+import weakref
 from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -39,6 +40,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
 from .node import Grads, IsolatedCall
+from .module_state import ModuleState
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
@@ -127,6 +129,52 @@ def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
     return leaves
 
 
+_PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
+          torch.Size)
+
+
+def _holds_tensor(value: Any, depth: int = 3) -> bool:
+    fields = getattr(value, "__dict__", None)
+    if depth and isinstance(fields, dict):
+        return any(isinstance(v, Tensor) or (not isinstance(v, _PLAIN) and _holds_tensor(v, depth - 1))
+                   for v in tree_flatten(list(fields.values()))[0])
+    return False
+
+
+def _check_leaves(name: str, leaves: Sequence[Any]) -> None:
+    """Refuses a result whose tensors hide in objects that are not pytrees
+    (a dataclass, a ``SimpleNamespace``): they would leave the call on its
+    isolated graph, and their gradients would never reach its inputs."""
+    for leaf in leaves:
+        if not isinstance(leaf, (Tensor, *_PLAIN)) and _holds_tensor(leaf):
+            raise TypeError(
+                f"{name}: the expert returned a {type(leaf).__name__} holding tensors; outputs are "
+                "followed through pytrees only (tuples, lists, dicts, namedtuples, types "
+                "registered with torch.utils._pytree, e.g. register_dataclass): register the "
+                "type or return its tensors in a tuple or dict")
+
+
+def _guard_leaves(call: "ModuleCall") -> None:
+    """A hook on each of the call's input leaves that raises when a gradient
+    reaches it other than in the call's own backward: the caller's backward
+    found the call's graph through something the node does not carry (a
+    tensor stashed in a list, a closure, a global), and the loop would have
+    given that gradient to the caller's tensor. Never silent."""
+    ref = weakref.ref(call)
+    name = call.name
+
+    def guard(grad: Tensor) -> None:
+        owner = ref()
+        if owner is None or not owner._in_backward:
+            raise RuntimeError(
+                f"{name}: a backward reached this call's graph other than through its outputs "
+                "(a tensor the expert left somewhere other than its result or a plain tensor "
+                "attribute of its module: a list, a closure, a global); the gradient for the "
+                "call's input would be lost. Return that tensor from the expert instead")
+    for leaf in call._grad_leaves:
+        leaf.register_hook(guard)
+
+
 def _run_expert(module: Expert, args: Sequence[Any], kwargs: Mapping[str, Any],
                 device: torch.device, name: str) -> Any:
     """One expert call as every mode runs it: on its device, with a skip
@@ -165,6 +213,9 @@ class ModuleCall(IsolatedCall):
         self._layout: Optional[List[Tuple[str, int]]] = None
         self._roots: List[Tuple[int, bool]] = []
         self._tensors: Optional[List[Tensor]] = None
+        self._visible = 0
+        self._in_backward = 0  # its own backward runs (see _guard_leaves)
+        self._module_state: Optional[ModuleState] = None
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
         self._leaves: Optional[List[Any]] = [
             v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
@@ -192,6 +243,8 @@ class ModuleCall(IsolatedCall):
 
     def forward(self) -> "ModuleCall":
         """Runs the call on this thread (a worker); fills ``outputs``."""
+        module = self.module
+        state = ModuleState(module, self.checkpoint) if isinstance(module, nn.Module) else None
         if self.checkpoint:
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
@@ -202,14 +255,18 @@ class ModuleCall(IsolatedCall):
             last = _next_sequence_nr() if first is not None else None
             self._made = None if first is None or last is None else (first, last)
         out_leaves, self._out_spec = tree_flatten(result)
+        _check_leaves(self.name, out_leaves)
         self._out_leaves = out_leaves
         self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
         if self.validate is not None:
             self.validate(self)
-        self._plan_outputs()
+        attrs = state.compare() if state is not None else []
+        self._module_state = state if state is not None and (
+            attrs or (self.checkpoint and state.changes)) else None
+        self._plan_outputs(attrs)
         return self
 
-    def _plan_outputs(self) -> None:
+    def _plan_outputs(self, attrs: Sequence[Tensor] = ()) -> None:
         """Which of the result's tensors the node must carry (its *roots*),
         and how every other one is rebuilt in the caller's graph as the loop
         would give it: an input returned as is is the caller's tensor itself;
@@ -219,7 +276,8 @@ class ModuleCall(IsolatedCall):
         its outer base, so PyTorch's own view and in-place rules apply to it
         (the base of a view of an internal tensor is a hidden root)."""
         assert self._leaves is not None
-        tensors = self.outputs
+        self._visible = len(self.outputs)
+        tensors = self.outputs + list(attrs)
         inputs = {id(v): j for j, v in enumerate(self._leaves) if isinstance(v, Tensor)}
         known: Dict[int, Tuple[str, int]] = {}  # id(tensor) -> where its outer tensor is
         layout: List[Tuple[str, int]] = []
@@ -247,7 +305,7 @@ class ModuleCall(IsolatedCall):
                 where, at = source(base, k, True)
                 layout.append(("view-" + where, at))
                 known[id(t)] = ("same", k)
-        if all(kind == "root" for kind, _ in layout) and len(roots) == len(tensors):
+        if not attrs and all(kind == "root" for kind, _ in layout) and len(roots) == len(tensors):
             self._layout = None  # the common case
         else:
             self._layout = layout
@@ -289,8 +347,7 @@ class ModuleCall(IsolatedCall):
         """On the caller, after the forward: appends the call's parameters to
         its ``inputs`` (the leaves its graph reaches, or for a checkpointed
         call the module's parameters)."""
-        if not torch.is_grad_enabled():
-            return
+        self._adopt_requires_grad()
         if self.checkpoint:
             self.params = self._declared_params()
         else:
@@ -298,11 +355,27 @@ class ModuleCall(IsolatedCall):
             self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
                                         self._made, self.name)
         self.inputs = self.inputs + self.params
+        _guard_leaves(self)
+
+    def _adopt_requires_grad(self) -> None:
+        """An expert that called ``requires_grad_()`` on one of its inputs
+        made the caller's tensor require grad in the loop: so here too."""
+        leaves, originals = self._leaves, self._originals
+        if leaves is None or originals is None or not any(
+                isinstance(v, Tensor) and v.requires_grad and not o.requires_grad
+                for v, o in zip(leaves, originals)):
+            return
+        pairs = [(o, v) for o, v in zip(originals, leaves)
+                 if isinstance(v, Tensor) and v.requires_grad]
+        for o, _ in pairs:
+            if not o.requires_grad:
+                o.requires_grad_()
+        self.inputs = [o for o, _ in pairs]
+        self._grad_leaves = [v for _, v in pairs]
 
     @property
     def needs_grad(self) -> bool:
-        if not torch.is_grad_enabled():
-            return False
+        # Not the caller's grad mode: an expert may enable grad itself.
         if self.checkpoint:
             return bool(self.inputs) or bool(self._declared_params())
         return any(o.requires_grad for o in self.outputs)
@@ -335,7 +408,10 @@ class ModuleCall(IsolatedCall):
                         if base_kind == "input" else tensors[k]._base)
                 value = tensors[k]._view_func(base)
             outer.append(value)
-        it = iter(outer)
+        visible = self._visible
+        if self._module_state is not None:
+            self._module_state.rebind(tensors[visible:], outer[visible:])
+        it = iter(outer[:visible])
         leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
         return tree_unflatten(leaves, self._out_spec)
 
@@ -344,10 +420,14 @@ class ModuleCall(IsolatedCall):
         rng = self.rng
         # A forward that drew no random number replays without the RNG routing:
         # the same ops draw nothing again.
+        state = self._module_state
         with torch.enable_grad(), enable_recomputing(), \
+                state.replayed() if state is not None else nullcontext(), \
                 rng.activate() if rng.drew is not False else nullcontext():
             result = self._call()
-        outputs = self._roots_of([v for v in tree_flatten(result)[0] if isinstance(v, Tensor)])
+            attrs = state.attrs() if state is not None else []
+        outputs = self._roots_of([v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+                                 + attrs)
         known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
         # Empty leaves (the phonies that order nodes, a remote call's say)
         # carry no gradient to lose.
@@ -384,6 +464,13 @@ class ModuleCall(IsolatedCall):
     def backward(self, grad_outputs: Grads) -> Grads:
         if self._leaves is None:
             raise RuntimeError(f"{self.name}: backward after its graph was freed")
+        self._in_backward += 1
+        try:
+            return self._backward(grad_outputs)
+        finally:
+            self._in_backward -= 1
+
+    def _backward(self, grad_outputs: Grads) -> Grads:
         if self.checkpoint:
             self._wait_recompute()
         outputs = self._local_outputs

@@ -21,6 +21,7 @@ runs its calls in a loop on the caller (see :mod:`moe_autograd.transforms`);
 :func:`start_calls` raises there. The entry points are opaque to dynamo
 (``torch.compile`` breaks the graph around them instead of tracing the pool).
 """
+from contextlib import nullcontext
 from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -182,9 +183,12 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
         for call in calls:
             call.release()
         return results
-    for call in calls:
-        call.prepare()
-    attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)
+    # An expert may enable grad under a caller's no_grad: its outputs then
+    # have a graph, as in the loop, and the node must carry it.
+    with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
+        for call in calls:
+            call.prepare()
+        attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):
         if call.checkpoint:

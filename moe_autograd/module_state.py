@@ -1,0 +1,122 @@
+"""What an expert module's forward changes on itself, seen by its call.
+
+Why
+---
+A forward may leave results on its module as well as return them: an aux loss
+stored as ``self.aux``, the last input kept for logging, ``spectral_norm``'s
+recomputed ``weight``, BatchNorm's running statistics and counter. In a plain
+loop those are part of the caller's world. A call of the runtime runs on an
+isolated graph, so a tensor it leaves on its module belongs to that graph, and
+a checkpointed call runs its forward twice. This module records, per call,
+what changed, so that :class:`~moe_autograd.module_call.ModuleCall` can
+
+* carry every tensor attribute the forward set through the node, as a hidden
+  output, and rebind the attribute to the caller's tensor (the loop's
+  ``expert.aux`` then equals ours, gradients included);
+* recompute a checkpointed call from the module state its forward saw, and
+  leave the module as the forward left it (running statistics advance once,
+  ``spectral_norm`` iterates once, attributes keep the forward's values).
+
+Lifecycle of one call's :class:`ModuleState`::
+
+    taken      before the forward: each submodule's attribute dict (shallow)
+               and, for a checkpointed call, copies of its buffers
+    compared   after the forward: tensor attributes set (carried as outputs)
+    replayed   around the recomputation: the forward's starting state swapped
+               in (buffers as fresh copies, attributes as they were), then
+               everything the recomputation changed put back
+
+Invariants:
+
+* Only tensor-valued plain attributes are carried (not parameters, buffers,
+  submodules, or tensors inside containers); they are found by identity: an
+  attribute holding the same tensor object before and after is unchanged.
+* A recomputation swaps objects in the module's dicts; it never writes into a
+  tensor the user can hold, so no version counter of theirs moves.
+* Recomputations of calls whose module state changed hold one lock: two of
+  them never swap the same module's state at once.
+"""
+import threading
+from contextlib import contextmanager
+from typing import Any, Dict, Generator, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["ModuleState"]
+
+_REPLAY_LOCK = threading.Lock()
+
+
+class ModuleState:
+    """One call's view of its module's state (see the module docstring)."""
+
+    __slots__ = ("_modules", "_dicts", "_buffers", "set_attrs")
+
+    def __init__(self, module: nn.Module, checkpoint: bool) -> None:
+        self._modules: List[nn.Module] = list(module.modules())
+        self._dicts: List[Dict[str, Any]] = [dict(m.__dict__) for m in self._modules]
+        #: The buffers' values before the forward (checkpointed calls only:
+        #: kernels such as batch norm's update running statistics in place
+        #: without moving a version counter, so every buffer is kept).
+        self._buffers: Optional[List[Dict[str, Tensor]]] = None
+        if checkpoint and any(m._buffers for m in self._modules):
+            self._buffers = [{k: b.clone() for k, b in m._buffers.items() if b is not None}
+                             for m in self._modules]
+        #: ``(module, name)`` of every tensor attribute the forward set.
+        self.set_attrs: List[Tuple[nn.Module, str]] = []
+
+    def compare(self) -> List[Tensor]:
+        """After the forward: the tensors it left in plain attributes (listed
+        in :attr:`set_attrs`)."""
+        found: List[Tensor] = []
+        for m, before in zip(self._modules, self._dicts):
+            for name, value in m.__dict__.items():
+                if isinstance(value, Tensor) and before.get(name) is not value:
+                    self.set_attrs.append((m, name))
+                    found.append(value)
+        return found
+
+    @property
+    def changes(self) -> bool:
+        """Whether a recomputation must replay a state other than the current."""
+        return self._buffers is not None or any(
+            before.get(k) is not v for m, before in zip(self._modules, self._dicts)
+            for k, v in m.__dict__.items())
+
+    def attrs(self) -> List[Tensor]:
+        """The current values of :attr:`set_attrs` (a recomputation's)."""
+        return [m.__dict__[name] for m, name in self.set_attrs]
+
+    def rebind(self, raw: List[Tensor], outer: List[Tensor]) -> None:
+        """Points each attribute the forward set at the caller's tensor,
+        unless something set it again since (the loop's last writer wins)."""
+        for (m, name), r, o in zip(self.set_attrs, raw, outer):
+            if m.__dict__.get(name) is r:
+                m.__dict__[name] = o
+
+    @contextmanager
+    def replayed(self) -> Generator[None, None, None]:
+        """The module as the forward found it, for a recomputation; as it is
+        now again afterwards."""
+        if not self.changes:
+            yield
+            return
+        with _REPLAY_LOCK:
+            now = [dict(m.__dict__) for m in self._modules]
+            now_buffers = [dict(m._buffers) for m in self._modules]
+            try:
+                for m, before, current in zip(self._modules, self._dicts, now):
+                    for k, v in before.items():
+                        if current.get(k) is not v:
+                            m.__dict__[k] = v
+                for m, values in zip(self._modules, self._buffers or ()):
+                    for name, value in values.items():
+                        m._buffers[name] = value.clone()
+                yield
+            finally:
+                for m, current, buffers in zip(self._modules, now, now_buffers):
+                    m.__dict__.clear()
+                    m.__dict__.update(current)
+                    m._buffers.clear()
+                    m._buffers.update(buffers)
