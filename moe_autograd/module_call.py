@@ -27,6 +27,15 @@ Invariants:
   call: its gradient would otherwise be lost silently.
 * :meth:`ModuleCall.release` drops every tensor the call holds, the caller's
   inputs included.
+* The node carries only the result's *roots*: tensors the call's graph made.
+  An input returned as is, a parameter or constant, the same tensor twice, a
+  view of an input / parameter / output are rebuilt in the caller's graph as
+  the loop gives them (:meth:`ModuleCall._plan_outputs`), and a tensor the
+  forward left in a plain attribute of its module is a hidden root, rebound
+  to the caller's tensor (:mod:`moe_autograd.module_state`).
+* A gradient that reaches one of the call's input leaves outside the call's
+  own backward raises, naming the call (:func:`_guard_leaves`): the caller's
+  graph found the call's through something the node does not carry.
 """
 import threading
 import weakref
@@ -406,7 +415,7 @@ class ModuleCall(IsolatedCall):
                 base_kind = kind[len("view-"):]
                 base = (outer_outputs[at] if base_kind == "root" else originals[at]
                         if base_kind == "input" else tensors[k]._base)
-                value = tensors[k]._view_func(base)
+                value = tensors[k]._view_func(base)  # type: ignore[attr-defined]
             outer.append(value)
         visible = self._visible
         if self._module_state is not None:
@@ -450,7 +459,11 @@ class ModuleCall(IsolatedCall):
                 return
             # The forward's thread state (autocast...), without saved-tensor
             # hooks: the recomputed graph is used at once.
-            self._recompute = get_pool().submit([bind(self.state, self._recompute_now)])
+            # A forward in the default state recomputes in it too, whatever
+            # the thread that runs the recomputation is in (the engine's,
+            # inside the caller's autocast, say).
+            state = self.state if self.state is not None else CallerState.plain()
+            self._recompute = get_pool().submit([bind(state, self._recompute_now)])
 
     def _wait_recompute(self) -> None:
         self.start_recompute()
@@ -480,8 +493,17 @@ class ModuleCall(IsolatedCall):
         if not pairs:
             return [None] * len(self.inputs)
         targets = self._grad_leaves + self.params
-        computed = torch.autograd.grad([p[0] for p in pairs], targets, [p[1] for p in pairs],
-                                       retain_graph=True, allow_unused=True)
+        try:
+            computed = torch.autograd.grad([p[0] for p in pairs], targets, [p[1] for p in pairs],
+                                           retain_graph=True, allow_unused=True)
+        except RuntimeError as error:
+            if "use_reentrant" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{self.name}: the expert uses torch.utils.checkpoint(use_reentrant=True), which "
+                "cannot run inside a parallel call's backward (each call's backward is a "
+                "torch.autograd.grad); use use_reentrant=False, or parallel_apply(..., "
+                "checkpoint=True)") from error
         if self.check_finite_grads:
             for g in computed:
                 if g is not None and not bool(torch.isfinite(g).all()):

@@ -33,7 +33,9 @@ Invariants:
 * Outputs of a call that needs no gradient are non-differentiable
   (``requires_grad=False``, no ``grad_fn``), as the call alone would give.
 * The node's outputs are new tensor objects (detached views), so no call's own
-  graph is ever rewired by the outer engine.
+  graph is ever rewired by the outer engine. Outputs that alias the caller's
+  tensors never reach the node: a record rebuilds them itself (see
+  :meth:`moe_autograd.module_call.ModuleCall.rebuild`).
 * Every call is joined before the node's backward returns or raises: a failing
   call never leaves another one running on half-freed state.
 * Call records live until the engine releases the node (after a backward

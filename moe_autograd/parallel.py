@@ -22,10 +22,10 @@ runs its calls in a loop on the caller (see :mod:`moe_autograd.transforms`);
 (``torch.compile`` breaks the graph around them instead of tracing the pool).
 """
 from contextlib import nullcontext
-from typing import Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from .collect import call_type, run as run_calls, submit as submit_calls
@@ -135,6 +135,63 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     return calls, [task(c) for c in calls]
 
 
+def _autocast_shares_casts(modules: Sequence[Expert]) -> bool:
+    """Whether the calls run under autocast with its weight cache, in grad
+    mode, with parameters that need gradients: then they run as the loop.
+
+    The cache is one for all threads. A parameter's cast is made once, by
+    whichever call (or the caller, earlier) casts it first, and every later
+    use shares that cast's autograd node, where the loop sums their gradients
+    in the low precision before casting them back once. Calls on isolated
+    graphs would each cast back their own part. With
+    ``torch.autocast(..., cache_enabled=False)`` every use casts afresh, in
+    the loop as here, and the calls fan out."""
+    if not torch.is_grad_enabled() or not torch.is_autocast_cache_enabled():
+        return False
+    if not any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        return False
+    return any(p.requires_grad for m in modules if isinstance(m, nn.Module)
+               for p in m.parameters())
+
+
+def _in_call_order(calls: Sequence[ModuleCall], tasks: List[Callable[[], ModuleCall]]
+                   ) -> List[Callable[[], ModuleCall]]:
+    """The tasks, with the calls of a module object that several calls share
+    run one after another in call order, by the task of the first of them
+    (the others' tasks only return their record): the module's state (its
+    buffers, the attributes its forward sets) evolves as in the loop. Calls a
+    collector starts (remote experts) keep their own order."""
+    chains: Dict[int, List[int]] = {}
+    for i, call in enumerate(calls):
+        if isinstance(call.module, nn.Module) and call.collector is None:
+            chains.setdefault(id(call.module), []).append(i)
+    shared = [chain for chain in chains.values() if len(chain) > 1]
+    if not shared:
+        return tasks
+    tasks = list(tasks)
+    for chain in shared:
+        members = [tasks[i] for i in chain]
+
+        def run_chain(members: List[Callable[[], ModuleCall]] = members,
+                      chained: List[ModuleCall] = [calls[i] for i in chain],
+                      first: ModuleCall = calls[chain[0]]) -> ModuleCall:
+            for task, call in zip(members, chained):
+                try:
+                    task()
+                except BaseException as error:
+                    error.add_note(call.name)
+                    raise
+            return first
+        tasks[chain[0]] = run_chain
+        for i in chain[1:]:
+            tasks[i] = _returns(calls[i])
+    return tasks
+
+
+def _returns(call: ModuleCall) -> Callable[[], ModuleCall]:
+    return lambda: call
+
+
 def _check_lengths(name: str, n: int, inputs: Sequence[Any],
                    kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]]) -> None:
     if len(inputs) != n:
@@ -223,6 +280,8 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
     flags = _per_call(checkpoint, n, "checkpoint")
     if sequential_mode([(inputs, kwargs), modules]) is not None:
         return _inline(modules, inputs, kwargs, forked=not functorch_active())
+    if _autocast_shares_casts(modules):
+        return _inline(modules, inputs, kwargs)
     site = site_of(modules)
     decision = choose(site, n, mode)
     with Measure(site, n, decision) as measure:
@@ -231,6 +290,7 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
         lanes = decision.lanes if decision.mode in (LANES, INLINE) else None
         calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
                                    None, None)
+        tasks = _in_call_order(calls, tasks)
         run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],
                   "parallel_apply: call", lanes=lanes, measure=measure)
         return finish_calls(calls, lanes=lanes)

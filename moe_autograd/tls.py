@@ -60,6 +60,20 @@ class CallerState:
         # or what they record depends on which calls the caller happened to run.
         self.dispatch_modes = torch._C._len_torch_dispatch_stack() > 0
 
+    @classmethod
+    def plain(cls) -> "CallerState":
+        """The default state (no autocast, no hooks), to apply where the
+        current thread's state must not leak in (a recomputation run on a
+        thread inside ``torch.autocast``)."""
+        state = cls.__new__(cls)
+        state.autocast = [(device, False, torch.get_autocast_dtype(device))
+                          for device in _AUTOCAST_DEVICES]
+        state.cache_enabled = True
+        state.inference_mode = False
+        state.saved_tensor_hooks = None
+        state.dispatch_modes = False
+        return state
+
     @property
     def is_default(self) -> bool:
         return not (self.inference_mode or self.saved_tensor_hooks is not None
@@ -84,10 +98,8 @@ class CallerState:
                 if enabled != torch.is_autocast_enabled(device) or (
                     enabled and dtype != torch.get_autocast_dtype(device)
                 ):
-                    stack.enter_context(
-                        torch.autocast(device, dtype=dtype, enabled=enabled,
-                                       cache_enabled=self.cache_enabled)
-                    )
+                    stack.enter_context(_autocast_flags(device, enabled, dtype,
+                                                        self.cache_enabled))
             if saves is not None:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(saves.pack, saves.unpack))
             elif self.saved_tensor_hooks is not None:
@@ -100,6 +112,30 @@ class CallerState:
 
 def _identity(x: Any) -> Any:
     return x
+
+
+@contextmanager
+def _autocast_flags(device: str, enabled: bool, dtype: torch.dtype,
+                    cache_enabled: bool) -> Generator[None, None, None]:
+    """The caller's autocast state on this thread, set and restored as flags.
+
+    Not ``torch.autocast``: leaving the outermost ``torch.autocast`` of a
+    thread clears autocast's weight cache, which is one for all threads, so
+    a worker would empty the caller's cache in the middle of the caller's
+    autocast region (the caller's later uses of a weight would cast it again,
+    and its gradient would no longer be summed in the low precision first,
+    as the loop sums it)."""
+    saved = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device),
+             torch.is_autocast_cache_enabled())
+    torch.set_autocast_enabled(device, enabled)
+    torch.set_autocast_dtype(device, dtype)
+    torch.set_autocast_cache_enabled(cache_enabled)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled(device, saved[0])
+        torch.set_autocast_dtype(device, saved[1])
+        torch.set_autocast_cache_enabled(saved[2])
 
 
 T = TypeVar("T")
