@@ -224,6 +224,9 @@ class ModuleCall(IsolatedCall):
         self._tensors: Optional[List[Tensor]] = None
         self._visible = 0
         self._in_backward = 0  # its own backward runs (see _guard_leaves)
+        self._rebuilt = False
+        #: Versions of a checkpointed call's tensor inputs at its forward.
+        self._versions: List[int] = []
         self._module_state: Optional[ModuleState] = None
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
         self._leaves: Optional[List[Any]] = [
@@ -255,6 +258,8 @@ class ModuleCall(IsolatedCall):
         module = self.module
         state = ModuleState(module, self.checkpoint) if isinstance(module, nn.Module) else None
         if self.checkpoint:
+            assert self._leaves is not None
+            self._versions = [v._version for v in self._leaves if isinstance(v, Tensor)]
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
         else:
@@ -392,6 +397,7 @@ class ModuleCall(IsolatedCall):
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
         """The call's result with ``outer_outputs`` (the node's, one per root)
         in place of its tensors (see :meth:`_plan_outputs`)."""
+        self._rebuilt = True
         if self._layout is None:
             self._originals = None
             it = iter(outer_outputs)
@@ -429,6 +435,12 @@ class ModuleCall(IsolatedCall):
         rng = self.rng
         # A forward that drew no random number replays without the RNG routing:
         # the same ops draw nothing again.
+        assert self._leaves is not None
+        if [v._version for v in self._leaves if isinstance(v, Tensor)] != self._versions:
+            raise RuntimeError(
+                f"{self.name}: an input of the checkpointed call was modified in place after the "
+                "call; its recomputation would see other values (as a tensor autograd saved "
+                "for backward, it must not change before the backward)")
         state = self._module_state
         with torch.enable_grad(), enable_recomputing(), \
                 state.replayed() if state is not None else nullcontext(), \
@@ -515,7 +527,8 @@ class ModuleCall(IsolatedCall):
         # Recompute node reference it): drop the caller's tensors too.
         self.inputs = []
         self.params = []
-        self._originals = self._tensors = None
+        if self._rebuilt:  # else rebuild still needs them (a node with no outputs
+            self._originals = self._tensors = None  # is freed before it)
         self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None
