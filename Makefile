@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench venv clean
+.PHONY: test demo bench zoo venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,10 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m moe_autograd bench
+
+# Every case of the transformers zoo (tests/moe/test_zoo_*.py); make test runs a subset.
+zoo: $(STAMP)
+	MOE_AUTOGRAD_ZOO=all $(PY) -m pytest tests/moe/test_zoo_*.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -3,14 +3,18 @@
 :class:`MixtureOfExperts` is the fault-tolerant top-k layer;
 :func:`run_experts` runs a list of experts on their routed tokens (one
 dispatch, parallel calls, one combine) for models that route themselves;
-:mod:`.mixtral` fits transformers' Mixtral-style blocks to both.
+:mod:`.hf_experts` runs transformers' experts modules through it, bit for
+bit, and :mod:`.hf_blocks` rebuilds transformers' sparse-MoE blocks as the
+layer (:mod:`.mixtral` keeps the first names of both).
 """
 from .dispatch import run_experts
 from .gating import load_balancing_loss, mixtral_load_balancing_loss
 from .layer import MixtureOfExperts, NotEnoughExperts
-from .mixtral import MixtralExpert, from_mixtral, register_experts_implementation
+from .mixtral import (
+    MixtralExpert, from_mixtral, register_experts_implementation, set_experts_implementation,
+)
 from .stats import ExpertStats
 
 __all__ = ["MixtureOfExperts", "NotEnoughExperts", "ExpertStats", "run_experts",
            "load_balancing_loss", "mixtral_load_balancing_loss", "MixtralExpert",
-           "from_mixtral", "register_experts_implementation"]
+           "from_mixtral", "register_experts_implementation", "set_experts_implementation"]

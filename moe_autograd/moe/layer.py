@@ -21,14 +21,16 @@ Fitting real models (all optional; the defaults keep the original layer):
 in e.g. float32 whatever the input dtype), ``aux_loss="mixtral"``
 (transformers' ``load_balancing_loss_func`` convention) with a ``token_mask``,
 ``return_router_logits`` / ``return_aux_loss`` (what the forward returns),
-``gate`` (any router module, e.g. a model's own), and
+``gate`` (any router module, e.g. a model's own), ``norm_topk_prob``,
+``shared_expert`` / ``shared_expert_gate``, and
 :meth:`MixtureOfExperts.from_mixtral` to build the layer from a transformers
-Mixtral block. A state dict whose experts are stored stacked
-(``experts.<name>`` of shape ``[num_experts, ...]``, transformers 5.x) loads
-into per-expert modules with a parameter ``<name>``.
+sparse-MoE block (:mod:`.hf_blocks` reads it). A state dict whose experts are
+stored stacked (``experts.<name>`` of shape ``[num_experts, ...]``,
+transformers 5.x) loads into per-expert modules with a parameter ``<name>``.
 
-The combine adds all surviving answers with one ``index_add``
-(:mod:`.dispatch`), so it costs O(tokens x k x d), not O(experts x tokens x d).
+The combine adds the surviving answers as one ``index_add_`` per expert in
+expert order would, rounding after each in bfloat16 too (:mod:`.dispatch`),
+and costs O(tokens x k x d), not O(experts x tokens x d).
 
 Data flow is one way: this module uses the runtime
 (:func:`moe_autograd.parallel.start_calls` / ``finish_calls``); nothing in the
@@ -47,6 +49,7 @@ from ..policy import PARALLEL, Decision, Measure, choose, forced_mode, site_of
 from ..transforms import opaque_to_dynamo
 from .dispatch import combine, dispatch
 from .gating import combine_weights, load_balancing_loss, mixtral_load_balancing_loss, route
+from .hf_blocks import read_block, rename_keys
 from .quorum import check_timeout, gather
 from .stats import StatsBook
 
@@ -111,7 +114,13 @@ class MixtureOfExperts(nn.Module):
       a lone ``y`` is returned bare (as a transformers 5.x block returns);
     * ``gate``: a router module used instead of the ``nn.Linear`` (its output,
       or the first element of a tuple output as transformers' routers return,
-      is the ``[tokens, E]`` logits).
+      is the ``[tokens, E]`` logits);
+    * ``norm_topk_prob=False`` (transformers' Qwen-MoE, OLMoE): a token's
+      weights sum to the softmax probability of its top-k over all experts,
+      not 1 (the answered experts share it as they share 1 by default);
+    * ``shared_expert`` (and ``shared_expert_gate``): a module every token
+      also goes through, its answer (times ``sigmoid(shared_expert_gate(x))``)
+      added to the routed experts' (transformers' Qwen2-MoE).
 
     ``mode`` (``"auto"``, ``"inline"``, ``"lanes"``, ``"parallel"``; default
     ``MOE_AUTOGRAD_MODE`` or auto) picks how the expert calls run (see
@@ -130,7 +139,9 @@ class MixtureOfExperts(nn.Module):
                  gate_bias: bool = True, router_dtype: Optional[torch.dtype] = None,
                  aux_loss: str = "switch", return_aux_loss: bool = True,
                  return_router_logits: bool = False, gate: Optional[nn.Module] = None,
-                 mode: Optional[str] = None) -> None:
+                 mode: Optional[str] = None, norm_topk_prob: bool = True,
+                 shared_expert: Optional[nn.Module] = None,
+                 shared_expert_gate: Optional[nn.Module] = None) -> None:
         super().__init__()
         forced_mode(mode)  # a bad mode fails here, naming the argument
         if not experts:
@@ -162,6 +173,8 @@ class MixtureOfExperts(nn.Module):
         self.checkpoint, self.gate_noise, self.mode = checkpoint, gate_noise, mode
         self.out_shape: Optional[Tuple[int, ...]] = None if out_features is None else (out_features,)
         self.expert_stats = StatsBook(len(experts))
+        self.norm_topk_prob = norm_topk_prob
+        self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
 
     def stats(self) -> List[Dict[str, object]]:
         """Per-expert counts of calls, failures, timeouts, non-finite outputs,
@@ -229,6 +242,10 @@ class MixtureOfExperts(nn.Module):
                     f"than k_min={self.k_min} answers; {_describe(failed)}")
             answered[too_few] = False
         weights = combine_weights(routing.top_logits, answered)
+        if not self.norm_topk_prob:
+            # The top-k's share of the softmax over all experts.
+            weights = weights * torch.exp(routing.top_logits.logsumexp(-1, keepdim=True)
+                                          - logits.logsumexp(-1, keepdim=True))
 
         survivors = [(e, calls[i]) for i, e in enumerate(active) if ok[i]]
         policy = BackwardPolicy(self.backward_timeout, tolerate_failures=True,
@@ -244,16 +261,20 @@ class MixtureOfExperts(nn.Module):
                 raise ValueError(f"MixtureOfExperts: expert {e} returned rows of shape "
                                  f"{list(out.shape[1:])}, others {list(out_shape)}")
         if outputs:
-            # One index_add over every surviving answer: O(tokens * k * d).
-            index = torch.cat([routing.tokens[e] for e, _ in survivors])
+            # The sums of one index_add_ per surviving expert, in expert order:
+            # O(tokens * k * d) (see moe_autograd.moe.dispatch.combine).
+            tokens = [routing.tokens[e] for e, _ in survivors]
+            index = torch.cat(tokens)
             slots = torch.cat([routing.slots[e] for e, _ in survivors])
-            y = combine(outputs, [index], weights[index, slots], num_tokens, dtype)
+            y = combine(outputs, tokens, weights[index, slots], num_tokens, dtype)
         else:
             y = flat.new_zeros((num_tokens, *out_shape), dtype=dtype)
             if weights.requires_grad:
                 # No expert answered (allow_zero_outputs): keep the zeros in the
                 # graph, so that ``loss.backward()`` still works (zero gradients).
                 y = y + weights.sum().to(dtype) * 0
+        if self.shared_expert is not None:
+            y = y + self._shared(flat)
         results: List[Tensor] = [y.reshape(*lead, *out_shape)]
         if aux_loss is not None:
             results.append(aux_loss)
@@ -294,14 +315,51 @@ class MixtureOfExperts(nn.Module):
             return mixtral_load_balancing_loss(logits, len(self.experts), self.k, token_mask)
         return load_balancing_loss(logits, top_experts, token_mask)
 
+    def _shared(self, flat: Tensor) -> Tensor:
+        """The shared expert's answer, gated if it has a gate."""
+        assert self.shared_expert is not None
+        out = self.shared_expert(flat)
+        if self.shared_expert_gate is not None:
+            out = torch.sigmoid(self.shared_expert_gate(flat)) * out
+        return out
+
     @classmethod
     def from_mixtral(cls, block: nn.Module, **options: Any) -> "MixtureOfExperts":
-        """The layer equivalent to a transformers (5.x) ``MixtralSparseMoeBlock``
-        (same routing, experts and outputs), with copies of its weights; see
-        :func:`moe_autograd.moe.mixtral.from_mixtral` for the defaults
-        ``options`` override."""
-        from .mixtral import from_mixtral
-        return from_mixtral(block, **options)
+        """A layer that computes what ``block`` (a transformers 5.x sparse-MoE
+        block: Mixtral's, and those :mod:`.hf_blocks` recognises: Qwen2/3-MoE,
+        OLMoE, Granite-MoE, Jamba, ...) computes, with copies of its router (as
+        ``gate``, so ``gate.weight`` and the router-logit recording of
+        transformers models carry over), of its experts (one
+        :class:`~moe_autograd.moe.hf_blocks.MixtralExpert` each) and of its
+        shared expert; the block's state dict loads into it as it is. Any
+        other block raises NotImplementedError naming its class and what the
+        layer would compute differently (shared experts of another kind,
+        grouped or sigmoid routing, scaling factors, jitter, other experts).
+
+        Defaults, each overridable through ``options`` (any keyword of this
+        class): ``k`` = the block's top-k, ``norm_topk_prob`` = its router's,
+        ``router_dtype=torch.float32`` (the routers softmax in float32),
+        ``aux_loss="mixtral"`` and ``return_aux_loss=False``, so that the layer
+        returns ``y`` like the block and can replace it in the model
+        (``layer.mlp = MixtureOfExperts.from_mixtral(layer.mlp)``).
+
+        Outputs and gradients equal the block's up to float rounding, not bit
+        for bit: the layer weights a token's experts by a softmax of their
+        top-k logits (the block: normalised top-k probabilities, rounded to
+        the logits' dtype by some routers) and hands each expert its tokens
+        in token order (the block: slot by slot). For the block's bits, keep
+        the block and switch its experts with
+        :func:`moe_autograd.moe.hf_experts.set_experts_implementation`.
+        """
+        spec = read_block(block)
+        defaults = dict(spec.options)
+        defaults.update(options)
+        layer = cls(spec.experts, spec.hidden, **defaults)
+        if spec.renames:
+            layer.register_load_state_dict_pre_hook(
+                lambda module, state_dict, prefix, *_: rename_keys(state_dict, prefix,
+                                                                   spec.renames))
+        return layer
 
     def _record_forward(self, active: List[int], group: TaskGroup[Any], ok: List[bool],
                         started: float) -> None:
