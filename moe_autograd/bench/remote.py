@@ -41,8 +41,14 @@ child process too (a process joins one RPC world in its life), so :func:`run`
 can be called from anywhere; the processes are forked from a forkserver that
 imported torch once (see :func:`_context`). ``python -m
 moe_autograd.bench.remote [--quick]`` prints the rows alone.
+
+``python -m moe_autograd.bench.remote --straggler`` measures something else
+(issue 18, not a row of the table): the CPU seconds a *masked straggler*
+costs the client and the server, and the messages the client sends for it,
+in a world of its own (one server; see :func:`run_straggler`).
 """
 import multiprocessing
+import os
 import queue as queue_module
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -52,7 +58,7 @@ from torch import Tensor, nn
 
 from .measure import Plan, Row, compare, measure
 
-__all__ = ["run", "format_rows", "main", "SleepyExpert"]
+__all__ = ["run", "format_rows", "main", "SleepyExpert", "run_straggler", "format_straggler"]
 
 L_S = 0.005
 SLOW_L_S = 0.05  # the latency-bound variant: overheads amortised
@@ -373,6 +379,155 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
     return value
 
 
+# -- the CPU cost of a masked straggler (issue 18) ---------------------------------------
+STRAGGLER_S = 2.0      # how long the masked expert runs on the server
+STRAGGLER_CALLS = 3    # masked calls measured per variant
+STRAGGLER_LAYER_S = 0.2  # the MixtureOfExperts' forward_timeout that masks it
+
+
+class _Straggler(nn.Module):
+    """Sleeps (no CPU) ``seconds`` in forward, then a linear map."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.seconds = seconds
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(self.seconds)
+        return self.lin(x)
+
+
+def _straggler_setup() -> List[Any]:
+    """Server process of the straggler world: a fast and a slow expert."""
+    from ..remote import ExpertServer
+
+    return [ExpertServer({"fast": nn.Linear(WIDTH, WIDTH), "slow": _Straggler(STRAGGLER_S)})]
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds (user + system), all threads."""
+    times = os.times()
+    return times.user + times.system
+
+
+class _CountingTransport:
+    """The default transport, counting the messages sent."""
+
+    name = "counting"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.sent = inner, 0
+
+    def call(self, worker: str, fn: Any, args: Any, timeout: Any) -> Any:
+        self.sent += 1
+        return self.inner.call(worker, fn, args, timeout)
+
+    def local_name(self) -> str:
+        return str(self.inner.local_name())
+
+    def default_timeout(self) -> Any:
+        return self.inner.default_timeout()
+
+
+def _measure_straggler(server: str) -> Dict[str, Dict[str, float]]:
+    """Per masked call: client and server CPU seconds and messages, for a
+    straggler with no deadline of its own and with one longer than the
+    layer's (both above the layer's ``forward_timeout``)."""
+    from torch.distributed import rpc
+
+    from ..moe import MixtureOfExperts
+    from ..remote import RemoteExpert
+    from ..remote.transport import get_transport
+
+    out: Dict[str, Dict[str, float]] = {}
+    for label, own in (("none", None), ("own-1.5s", 1.5)):
+        transport = _CountingTransport(get_transport())
+        experts = [RemoteExpert(server, "fast", forward_timeout=own, transport=transport),
+                   RemoteExpert(server, "slow", forward_timeout=own, transport=transport)]
+        torch.manual_seed(0)
+        layer = MixtureOfExperts(experts, WIDTH, k=2, forward_timeout=STRAGGLER_LAYER_S,
+                                 k_min=0, allow_zero_outputs=True)
+        x = torch.randn(8, WIDTH)
+        with torch.no_grad():
+            experts[0](x)  # warm-up: connection, first call on the server
+            layer(x)  # (the slow one is masked: wait it out)
+        time.sleep(STRAGGLER_S + 0.3)
+        sent0, client0 = transport.sent, _cpu_seconds()
+        server0 = rpc.rpc_sync(server, _cpu_seconds)
+        start = time.monotonic()
+        for _ in range(STRAGGLER_CALLS):
+            with torch.no_grad():
+                layer(x)
+            time.sleep(STRAGGLER_S + 0.3)  # the straggler ends on the server meanwhile
+        wall = time.monotonic() - start
+        server1 = rpc.rpc_sync(server, _cpu_seconds)
+        client1, sent1 = _cpu_seconds(), transport.sent
+        masked = int(str(layer.stats()[1]["timeouts"])) - 1  # the slow one's, less the warm-up's
+        n = max(masked, 1)
+        out[label] = {"client_cpu_s": (client1 - client0) / n,
+                      "server_cpu_s": (server1 - server0) / n,
+                      "messages": (sent1 - sent0) / n,
+                      "masked": float(masked), "wall_s": wall / n}
+    return out
+
+
+def _straggler_client(port: int, server: str, queue: Any) -> None:
+    from torch.distributed import rpc
+
+    from ..remote.loopback import backend_options
+
+    torch.set_num_threads(1)
+    rpc.init_rpc("straggler-client", rank=0, world_size=2,
+                 rpc_backend_options=backend_options(port, rpc_timeout=60.0))
+    try:
+        queue.put(("ok", _measure_straggler(server)))
+    except BaseException as error:  # noqa: BLE001 - report, then leave the world
+        queue.put(("error", f"{type(error).__name__}: {error}"))
+    finally:
+        rpc.shutdown()
+
+
+def run_straggler() -> Dict[str, Dict[str, float]]:
+    """The CPU cost of a masked straggler on a loopback world of one server:
+    a ``MixtureOfExperts`` (``forward_timeout`` 0.2 s, k = 2) of two remote
+    experts of the same server, one answering at once, one sleeping 2 s
+    (no CPU of its own); per masked call, the CPU seconds of the client and
+    server processes from the layer's call until the straggler ended, and
+    the messages the client sent."""
+    from ..remote.loopback import free_port, serve_in_process, stop_processes
+
+    server = "straggler-srv"
+    port = free_port()
+    ctx = _context()
+    queue = ctx.Queue()
+    processes = [ctx.Process(target=serve_in_process, name="expert-server-straggler", daemon=True,
+                             args=(port, 1, 2, server, f"{__name__}:_straggler_setup")),
+                 ctx.Process(target=_straggler_client, args=(port, server, queue),
+                             name="straggler-client", daemon=True)]
+    started: List[Any] = []
+    try:
+        for process in processes:
+            process.start()
+            started.append(process)
+        status, value = _result(queue, processes[-1], timeout=120.0)
+    finally:
+        stop_processes(started[::-1], timeout=15.0)
+    if status != "ok":
+        raise RuntimeError(f"bench.remote straggler failed in the client process: {value}")
+    return value
+
+
+def format_straggler(result: Dict[str, Dict[str, float]]) -> str:
+    """The result of :func:`run_straggler` as a small table."""
+    lines = [f"{'straggler deadline':20} {'client CPU s':>13} {'server CPU s':>13} "
+             f"{'messages':>9} {'masked':>7}"]
+    for label, r in result.items():
+        lines.append(f"{label:20} {r['client_cpu_s']:13.3f} {r['server_cpu_s']:13.3f} "
+                     f"{r['messages']:9.1f} {r['masked']:7.0f}")
+    return "\n".join(lines)
+
+
 def format_rows(rows: List[Dict[str, Any]]) -> str:
     def ms(value: Optional[float]) -> str:
         return "-" if value is None else f"{value:.3f}"
@@ -389,6 +544,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     import sys
 
     args = sys.argv[1:] if argv is None else argv
+    if "--straggler" in args:
+        print(format_straggler(run_straggler()))
+        return 0
     print(format_rows(run(quick="--quick" in args)))
     return 0
 

@@ -20,12 +20,17 @@ backward, on the client's release, after ``state_ttl``, or past
 on the server: train them with ``expert.zero_grad()`` / ``expert.step()``
 (server-side optimizer) or ``ExpertServer(..., optimizer=..., auto_step=True)``.
 
-Faults and trust (details in the README's remote section): a server bounds
-request sizes, held states (per client and in all) and their bytes; stateful
-call ids are 128 random bits owned by the client's worker; parameter updates
-are all-or-nothing and skip non-finite gradients. Deadlines accept ``None`` /
-``math.inf`` (the transport's ``rpc_timeout`` still applies) or positive
-seconds; waits wake every 0.1 s, so Ctrl-C reaches a waiting caller. An RPC
+Faults and trust (details in the README's remote section, with a table of
+what each fault does to a ``MixtureOfExperts`` step): a server bounds whole
+requests' bytes (every tensor however nested, :mod:`.sizes`), held states
+(per client and in all) and their bytes; stateful call ids are 128 random
+bits owned by the client's worker; parameter updates are all-or-nothing and
+skip non-finite gradients. Deadlines accept ``None`` / ``math.inf`` (the
+transport's ``rpc_timeout`` still applies) or positive seconds, enforced by
+the client below the transport's millisecond too; a call its layer masks
+ends with the layer's wait (no request is kept open past it); waits wake
+every 0.1 s, so Ctrl-C reaches a waiting caller; at exit, requests still in
+flight are settled so that the script exits with its own status. An RPC
 world is one trust domain: any member can run any function in any other, so
 deploy a world on a private network, one world per trust domain.
 

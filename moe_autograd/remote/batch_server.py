@@ -8,11 +8,18 @@ server and pass instead of once per call.
 
 What a request holds: ``jobs``, each ``(op, args, answer_by)`` where ``op`` is
 ``"forward"`` or ``"backward"``, ``args`` exactly what :func:`serve_forward` /
-:func:`serve_backward` take, and ``answer_by`` the call's own deadline in
-seconds (``None``: none). Each job runs as that single-call request would,
-through the same function: the same checks (owner and 128-bit call id, byte
-caps, quotas, backward validated before its state is taken), the same errors
-naming the expert, the same state rules. A failing job fails only itself.
+:func:`serve_backward` take, and ``answer_by`` the seconds after which the
+client no longer waits for the call (its own deadline, or its pass's if
+sooner, e.g. a ``MixtureOfExperts``' ``forward_timeout``; ``None``: none).
+Each job runs as that single-call request would, through the same function:
+the same checks (owner and 128-bit call id, quotas, backward validated before
+its state is taken), the same errors naming the expert, the same state rules.
+A failing job fails only itself. The byte limit bounds the whole request,
+before any job is queued: a server's jobs are admitted in order while their
+tensors together fit its ``max_request_bytes`` (see
+:func:`~moe_autograd.remote.server.admit_request`), and a job that does not
+fit is answered with its error at once, so what one request makes a server
+materialise stays bounded however many calls it carries.
 
 The jobs of a request run concurrently (one pool worker each, see
 :mod:`moe_autograd.executor`) and are answered together, except that an
@@ -30,14 +37,19 @@ Lifecycle of a batch::
     event                                 what happens
     ------------------------------------  --------------------------------------------
     serve_batch (owner, batch id, jobs)   validated (a malformed request is refused as
-                                          a whole); every job queued on the pool
+                                          a whole); jobs past the byte limit answered with
+                                          their error; the others queued on the pool
     all jobs answered                     one reply with every answer; batch forgotten
     linger over, some jobs still running  reply with the ready answers, ``more=True``;
                                           batch kept (by owner and id) for collection
-    serve_collect from its owner          waits as above for the remaining answers
+    serve_collect from its owner          waits as above for the remaining answers: it
+                                          replies only with a new answer, or at give-up
+    every job's answer_by passed (give-   reply with what is ready, ``more=False``: batch
+    up): the client waits for none        dropped (answers finishing later are discarded)
     serve_collect from another worker,    ("error", ...): unknown batch; nothing changes
     or for an unknown / dropped batch
-    kept, no collect for BATCH_TTL_S      dropped (the client gave up on its calls)
+    kept, no collect by the give-up (or   dropped at the next request or count (the
+    for BATCH_TTL_S, if a job has none)   client gave up on its calls)
     owner keeps > MAX_KEPT_PER_OWNER      the owner's oldest kept batch is dropped
 
 Invariants:
@@ -47,8 +59,13 @@ Invariants:
   single-call function gives.
 * What one client keeps here is bounded (:data:`MAX_KEPT_PER_OWNER` batches,
   each at most :data:`MAX_JOBS` answers, for at most :data:`BATCH_TTL_S`
-  after its last reply); no client can collect or drop another's batch.
-* Every job of a request is answered in exactly one reply.
+  after its last reply, and never past the give-up: a client whose calls
+  all ended, e.g. while this server was frozen, sends no collect); no
+  client can collect or drop another's batch.
+* Every job of a request is answered in at most one reply; a reply carries at
+  least one new answer or ends the batch (``more=False``), so a request of
+  ``n`` jobs costs at most ``n + 1`` replies, whatever the client does: no
+  collect loop can spin (issue 18).
 """
 import math
 import numbers
@@ -58,7 +75,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..executor import get_pool
-from .server import serve_backward, serve_forward
+from .server import admit_request, serve_backward, serve_forward
 
 __all__ = ["serve_batch", "serve_collect", "kept_batches", "MAX_JOBS", "LINGER_MIN_S", "LINGER_SHARE",
            "MARGIN_S", "BATCH_TTL_S", "MAX_KEPT_PER_OWNER"]
@@ -148,13 +165,17 @@ class _Batch:
 
     def reply(self) -> Tuple[List[Optional[Reply]], bool]:
         """Waits as the module docstring says; the answers not sent before
-        (None for those still running) and whether some are still running."""
+        (None for those still running) and whether the client should collect
+        the rest: never an empty reply while some job may still answer in
+        time, so a client's collect loop cannot spin."""
         with self.cond:
             while True:
                 ready = [i for i, a in enumerate(self.answers) if a is not None and not self.sent[i]]
                 if len(ready) == self.unsent:
                     break
                 now = time.monotonic()
+                if self.give_up is not None and now >= self.give_up:
+                    break  # the client gave up on every job: send what is ready, drop the rest
                 until = self._flush_at(ready) if ready else self.give_up
                 if until is not None and now >= until:
                     break
@@ -170,24 +191,25 @@ class _Batch:
                 self.sent[i] = True
             self.unsent -= len(ready)
             self.waiting -= len(ready)
-            return out, self.unsent > 0
+            more = self.unsent > 0 and not (self.give_up is not None
+                                            and time.monotonic() >= self.give_up)
+            return out, more
 
 
-_kept: "OrderedDict[Tuple[str, str], _Batch]" = OrderedDict()  # oldest expiry first
+_kept: "OrderedDict[Tuple[str, str], _Batch]" = OrderedDict()  # oldest kept first
 _kept_lock = threading.Lock()
 
 
 def _sweep_locked(now: float) -> None:
-    while _kept:
-        key, batch = next(iter(_kept.items()))
-        if batch.expires > now:
-            return
+    for key in [key for key, batch in _kept.items() if batch.expires <= now]:
         del _kept[key]
 
 
 def _keep(owner: str, batch_id: str, batch: _Batch) -> None:
     now = time.monotonic()
-    batch.expires = now + BATCH_TTL_S
+    # Past every job's answer_by the client collects nothing more: drop it then.
+    batch.expires = now + BATCH_TTL_S if batch.give_up is None \
+        else min(now + BATCH_TTL_S, batch.give_up)
     with _kept_lock:
         _sweep_locked(now)
         _kept[(owner, batch_id)] = batch
@@ -219,15 +241,24 @@ def serve_batch(owner: str, batch_id: str, jobs: Sequence[Any]) -> Reply:
                                 f"got {job!r:.80}")
             parsed.append((job[0], job[1], _answer_by(job[2])))
         with _kept_lock:
+            _sweep_locked(time.monotonic())
             if (owner, batch_id) in _kept:
                 raise ValueError(f"batch id {batch_id!r} is in use: batch ids must be unique")
     except Exception as error:  # noqa: BLE001 - a request must never harm the server
         return "error", f"{type(error).__name__}: {error}"
     batch = _Batch([a for _, _, a in parsed])
+    # The byte limit bounds the whole request: what does not fit is refused
+    # before anything runs (see server.admit_request).
+    refused = admit_request([(op, args) for op, args, _ in parsed])
 
     def task(i: int, op: str, args: Any) -> Callable[[], None]:
         return lambda: batch.finish(i, _run_job(op, args, owner))
-    get_pool().submit([task(i, op, args) for i, (op, args, _) in enumerate(parsed)])
+    for i, text in enumerate(refused):
+        if text is not None:
+            batch.finish(i, ("error", text))
+    tasks = [task(i, op, args) for i, (op, args, _) in enumerate(parsed) if refused[i] is None]
+    if tasks:
+        get_pool().submit(tasks)
     return _answer(owner, batch_id, batch)
 
 
@@ -237,6 +268,7 @@ def serve_collect(owner: str, batch_id: str) -> Reply:
     try:
         key = (_ident("the client's worker name", owner), _ident("batch id", batch_id))
         with _kept_lock:
+            _sweep_locked(time.monotonic())
             batch = _kept.pop(key, None)
         if batch is None:
             raise LookupError(f"unknown batch {batch_id!r} of worker {owner!r} (answered "
@@ -249,4 +281,5 @@ def serve_collect(owner: str, batch_id: str) -> Reply:
 def kept_batches() -> int:
     """How many partly answered batches this process keeps (tests, stats)."""
     with _kept_lock:
+        _sweep_locked(time.monotonic())
         return len(_kept)

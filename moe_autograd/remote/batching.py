@@ -31,14 +31,26 @@ Lifecycle of one job in a request::
     state   event                                     what happens
     ------  ----------------------------------------  -----------------------------------
     open    its answer arrives (in a reply or in a    decoded -> completed with the result,
-            collect's reply)                          or with the server's error
-    open    its deadline passes (the watcher)         abandoned (a stateful forward's state
-                                                      released) -> RemoteTimeoutError
+            collect's reply) before its deadline      or with the server's error
+    open    its deadline passes (the watcher), or     abandoned (a stateful forward's state
+            its answer arrives after it               released) -> RemoteTimeoutError
     open    the message cannot be sent / fails        RemoteExpertError (RemoteTimeoutError
             (peer dead, timeout, malformed reply)     for a timeout, which also abandons)
+    open    a reply says the server dropped the       as its deadline passing (the server
+            batch (``more`` false, no answer)         does so only once every job's passed)
     ended   anything                                  ignored: a late answer is dropped
     (request) a reply says ``more`` and a job is      one ``serve_collect`` for the rest
               open
+
+A job's deadline is when its caller stops waiting for it: its own
+``forward_timeout``/``backward_timeout``, or its pass's (a
+``MixtureOfExperts``' ``forward_timeout`` or ``backward_timeout``, given to
+the collector) if that comes first (``Job.answer_by``), else the transport's
+own timeout. Nothing is kept open past it: a call that a layer masked ends
+with the layer's wait, and its request's messages end one
+:data:`GRACE_S` later at the latest (the server answers a collect only with
+a new answer, or once every deadline of the request has passed, so a
+collect loop never spins; issue 18).
 
 Invariants:
 
@@ -47,7 +59,11 @@ Invariants:
   caps, quotas, validation before a state is taken), every error names the
   call's worker and expert, each call keeps its own deadline (a ready answer
   is not held back by a slower sibling, see :mod:`.batch_server`), and a
-  failing call fails only itself.
+  failing call fails only itself. Byte limits are the exception: they bound
+  the whole request (see :func:`~moe_autograd.remote.server.admit_request`).
+* Deadlines are the client's, at the clock's resolution: a reply that
+  arrives after its call's deadline is dropped, whatever the transport's
+  own resolution (TensorPipe's is a millisecond).
 * Each job is completed exactly once; completions run on the transport's
   threads (or the watcher's) and never block.
 * Seeds are drawn as a call on a worker draws them (from the call's own
@@ -79,7 +95,7 @@ from .transport import (Transport, TransportError, TransportSendError, Transport
 
 __all__ = ["Job", "run_sync", "send", "RemoteModuleCall", "COLLECTOR", "GRACE_S"]
 
-GRACE_S = 0.2  # how long past a deadline we wait for the transport's own timeout
+GRACE_S = 0.2  # how long a message outlives its last open job's deadline (its timeout)
 Done = Callable[[int, Any, Optional[BaseException]], None]
 _log = logging.getLogger(__name__)
 
@@ -131,10 +147,18 @@ class Job:
 
 
 def run_sync(job: Job) -> Any:
-    """Runs ``job`` alone and waits for it (Ctrl-C-able, see the transport)."""
+    """Runs ``job`` alone and waits for it (Ctrl-C-able, see the transport).
+    The deadline is the client's: the wait ends at it, and a reply that
+    comes after it is dropped (the transport may round the deadline to its
+    resolution, e.g. whole milliseconds for TensorPipe)."""
+    start = time.monotonic()
     try:
         pending = job.transport.call(job.worker, OPS[job.op], job.args, job.timeout)
-        reply = pending.result(None if job.timeout is None else job.timeout + GRACE_S)
+        reply = pending.result(None if job.timeout is None
+                               else max(0.0, start + job.timeout - time.monotonic()))
+        if job.timeout is not None and time.monotonic() - start > job.timeout:
+            raise TransportTimeout(f"the reply came after {time.monotonic() - start:.6f} s "
+                                   "and was dropped")
     except TransportError as error:
         failure = job.failure(error)
         if isinstance(failure, RemoteTimeoutError) and job.abandon is not None:
@@ -246,11 +270,13 @@ class _Request:
         _watch.hold(self)
         now = time.monotonic()
         default = None
-        if any(job.timeout is None for job in self.jobs):
+        if any(job.answer_by is None for job in self.jobs):
             default = _default_timeout(self.transport)
         due: Dict[float, List[int]] = {}  # deadline -> the jobs it ends (one watcher entry each)
         for k, job in enumerate(self.jobs):
-            limit = job.timeout if job.timeout is not None else default
+            # When the caller stops waiting: the call's own deadline, or its
+            # pass's if sooner (answer_by); nothing is kept open past it.
+            limit = job.answer_by if job.answer_by is not None else default
             deadline = None if limit is None else now + limit
             self.deadlines.append(deadline)
             if deadline is not None:
@@ -302,6 +328,10 @@ class _Request:
             _log.exception("completing a remote call failed")
 
     def _answer(self, k: int, reply: Any) -> None:
+        deadline = self.deadlines[k]
+        if deadline is not None and time.monotonic() > deadline:
+            self.expire(k)  # late (the watcher has not run yet): dropped, a timeout
+            return
         if not self._end(k):
             return  # late: the call timed out already
         try:
@@ -353,20 +383,29 @@ class _Request:
             return
         if more:
             self._call(serve_collect, (self.jobs[0].args[1], self.batch_id))
-        else:
-            self._fail_each(lambda job: f"{job.where()} got no answer in its request's reply")
+            return
+        # The server dropped the batch: every open job's answer_by passed there.
+        for k in range(n):
+            if self.open[k]:
+                self.expire(k)
 
     def expire(self, k: int) -> None:
-        """The watcher: job ``k``'s deadline passed."""
+        """The watcher: job ``k``'s deadline passed (or its late answer came)."""
         if not self._end(k):
             return
         job = self.jobs[k]
         if job.abandon is not None:
             job.abandon()
-        seconds = job.timeout if job.timeout is not None else _default_timeout(self.transport)
-        waited = f"no reply within {seconds:g} s" if seconds is not None else "no reply"
-        self._deliver(k, None, RemoteTimeoutError(f"{job.where()} missed "
-                                                  f"{job._deadline_text()} ({waited})"))
+        if job.answer_by is not None and (job.timeout is None or job.answer_by < job.timeout):
+            error = RemoteTimeoutError(
+                f"{job.where()} was given up after {job.answer_by:g} s: its pass (e.g. a "
+                "MixtureOfExperts' forward_timeout or backward_timeout) stopped waiting "
+                "before the call's own deadline")
+        else:
+            seconds = job.timeout if job.timeout is not None else _default_timeout(self.transport)
+            waited = f"no reply within {seconds:g} s" if seconds is not None else "no reply"
+            error = RemoteTimeoutError(f"{job.where()} missed {job._deadline_text()} ({waited})")
+        self._deliver(k, None, error)
 
 
 def send(jobs: Sequence[Job], done: Done, deadline: Optional[float] = None) -> None:

@@ -46,6 +46,7 @@ Invariants:
   (parent modules' ``zero_grad`` does not reach remote experts), or let the
   server step after every backward (``ExpertServer(..., auto_step=True)``).
 """
+import atexit
 import collections
 import os
 import secrets
@@ -74,7 +75,11 @@ class _Releaser:
     """Sends releases of abandoned stateful calls, batched per worker.
 
     Finalizers only append to a deque (no locks, no I/O on the GC's thread);
-    a daemon thread flushes it every ``interval`` seconds.
+    a daemon thread flushes it every ``interval`` seconds. At interpreter
+    exit the thread is stopped (a daemon thread inside the transport's C++
+    send when the interpreter finalises would abort the process) and what is
+    pending is sent once more (the transport's own exit hook, which runs
+    after this one, lets those requests end).
     """
 
     def __init__(self, interval: float = 0.05) -> None:
@@ -82,18 +87,27 @@ class _Releaser:
         self.interval = interval
         self._started = False
         self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
 
     def start(self) -> None:
         with self._lock:
-            if not self._started:
+            if not self._started and not self._stop.is_set():
                 self._started = True
-                threading.Thread(target=self._run, daemon=True,
-                                 name="moe_autograd-remote-releaser").start()
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="moe_autograd-remote-releaser")
+                self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            time.sleep(self.interval)
+        while not self._stop.wait(self.interval):
             self.flush()
+
+    def stop_at_exit(self, timeout: float = 1.0) -> None:
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        self.flush()
 
     def flush(self) -> int:
         batches: Dict[Tuple[int, str, str], Tuple[Transport, List[str]]] = {}
@@ -113,11 +127,14 @@ class _Releaser:
 
 
 _releaser = _Releaser()
+atexit.register(_releaser.stop_at_exit)  # runs before the transport's hook (registered first)
 
 
 def _after_fork_in_child() -> None:  # the parent's flusher thread does not exist here
     _releaser._started = False
     _releaser._lock = threading.Lock()
+    _releaser._stop = threading.Event()
+    _releaser._thread = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -67,18 +67,23 @@ Invariants:
   :meth:`ElasticServer.leave` fails no call that reached it or that it holds
   state for (within ``drain_timeout``).
 * Every thread here is a daemon that stops at :meth:`Fleet.shutdown` /
-  :meth:`ElasticServer.leave`; every wait is bounded.
+  :meth:`ElasticServer.leave`, or at interpreter exit for a fleet or server
+  never shut down (an ``atexit`` hook: a daemon thread inside a store or RPC
+  call when the interpreter finalises would abort the process); every wait
+  is bounded.
 
 Trust: one world is one trust domain (any member can run any function in any
 other; the store has no authentication); no NAT traversal: every member must
 reach the store and every other member directly. See the README.
 """
+import atexit
 import os
 import secrets
 import signal
 import threading
 import time
 import traceback
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
@@ -96,6 +101,18 @@ __all__ = ["Fleet", "FleetExpert", "FleetEvent", "ElasticServer", "NoLiveReplica
 
 MembershipError = membership.MembershipError
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
+EXIT_JOIN_S = 1.0  # at exit, how long the hook waits for each fleet's or server's threads
+_running: "weakref.WeakSet[Any]" = weakref.WeakSet()  # fleets and servers whose threads run
+
+
+def _stop_threads_at_exit() -> None:
+    """The exit hook: stops the threads of the fleets and servers still running
+    (registered after the transport's and the releaser's, so it runs first)."""
+    for owner in list(_running):
+        owner._halt_at_exit()
+
+
+atexit.register(_stop_threads_at_exit)
 
 
 class NoLiveReplica(RemoteExpertError):
@@ -206,6 +223,7 @@ class Fleet:
         self.registry.beat(name, rank)
         for thread in self._threads:
             thread.start()
+        _running.add(self)
 
     # -- construction ----------------------------------------------------------
     @classmethod
@@ -455,11 +473,15 @@ class Fleet:
         self._token_seen = ("", now)
 
     # -- shutdown -----------------------------------------------------------------
-    def _stop_threads(self) -> None:
+    def _stop_threads(self, timeout: float = 5.0) -> None:
         self._halt.set()
+        _running.discard(self)
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=5.0)
+                thread.join(timeout=timeout)
+
+    def _halt_at_exit(self) -> None:
+        self._stop_threads(EXIT_JOIN_S)
 
     def shutdown(self, timeout: float = 10.0, stop_servers: Optional[bool] = None) -> None:
         """Leaves the world. The founder (by default) first asks every server to
@@ -654,6 +676,7 @@ class ElasticServer:
                                                  name=f"moe_autograd-fleet-beat-{self.name}")
             registry.beat(self.name, self.rank)  # joiners are judged by their beats
             self._beat_thread.start()
+            _running.add(self)
             window = 3 * self.beat_interval
             membership.join_world(self.name, self.options, raw, self.rank,
                                   timeout=self.join_timeout,
@@ -687,6 +710,12 @@ class ElasticServer:
                 if now - failing_since >= self.lost_after:
                     self._signal("world ended")
                     return
+
+    def _halt_at_exit(self) -> None:
+        self._halt.set()
+        thread = self._beat_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(EXIT_JOIN_S)
 
     def _signal(self, reason: str) -> None:
         with self._lock:

@@ -30,7 +30,13 @@ Invariants:
   the server or another client's states.
 * A request's tensors are measured before anything runs, by the bytes the
   server will materialise (``numel * element_size``, so a stride-0 expanded
-  tensor counts at full size): above ``max_request_bytes`` it is refused.
+  tensor counts at full size), every tensor reachable in the arguments however
+  nested (:mod:`.sizes`): above ``max_request_bytes`` it is refused. The
+  limit bounds a whole request: the calls of a coalesced one
+  (:mod:`.batch_server`) to one server are counted together and admitted in
+  order while they fit (:func:`admit_request`); one that does not is refused.
+  A stateful state counts the same way (inputs, nested ones included, and
+  outputs) against ``max_state_bytes``.
 * A backward is validated completely (owner, expert, gradient count, shapes
   and dtypes) before its state is taken: a refused backward leaves the state
   usable by its owner.
@@ -54,11 +60,12 @@ import torch
 from torch import Tensor, nn
 
 from . import execution as ex
+from .sizes import Tally, materialised_bytes
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
 
 __all__ = ["ExpertServer", "serve_forward", "serve_backward", "serve_release", "serve_control",
-           "OPS", "BACKWARDS", "NON_FINITE_POLICIES"]
+           "admit_request", "OPS", "BACKWARDS", "NON_FINITE_POLICIES"]
 
 Reply = Tuple[str, Any]  # ("ok", value) or ("error", text)
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
@@ -105,8 +112,10 @@ class ExpertServer:
 
     Limits (``None`` disables one):
 
-    * ``max_request_bytes`` (256 MiB): the tensors of one request, as the
-      server will materialise them (stride-0 tensors at full size);
+    * ``max_request_bytes`` (256 MiB): the tensors of one request (a
+      coalesced request of many calls counts as one), as the server will
+      materialise them (stride-0 tensors at full size), wherever they are
+      nested in the arguments;
     * ``max_states`` (1024) and ``max_state_bytes`` (1 GiB): what a
       ``stateful`` server holds in all (a state counts its inputs and outputs
       at materialised size), and ``max_states_per_client`` (default
@@ -250,31 +259,54 @@ def _ident(what: str, value: Any) -> str:
     return value
 
 
-def _materialised_bytes(value: Any, depth: int = 0) -> int:
-    """Bytes the tensors in ``value`` take once materialised: ``numel *
-    element_size`` (a stride-0 expanded tensor counts at its full size);
-    looks into lists, tuples and dicts (4 levels deep)."""
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if depth >= 4:
-        return 0
-    if isinstance(value, (list, tuple)):
-        return sum(_materialised_bytes(v, depth + 1) for v in value)
-    if isinstance(value, dict):
-        return sum(_materialised_bytes(v, depth + 1) for v in value.values())
-    return 0
-
-
 def _check_request_size(hosted: _Hosted, what: str, *parts: Any) -> None:
     limit = hosted.server.max_request_bytes
     if limit is None:
         return
-    size = sum(_materialised_bytes(p) for p in parts)
+    size = materialised_bytes(*parts)
     if size > limit:
         raise MemoryError(f"{what} request of expert {hosted.name!r} carries tensors of "
                           f"{size} bytes once materialised, more than max_request_bytes="
                           f"{limit} of this server (expanded/stride-0 tensors count at "
-                          "their full size)")
+                          "their full size, nested ones too)")
+
+
+def admit_request(jobs: Sequence[Tuple[Any, Any]]) -> List[Optional[str]]:
+    """The byte limit of a coalesced request, applied to the whole of it:
+    ``jobs`` are ``(op, args)`` in request order; returns, per job, ``None``
+    (admitted) or the error text of a job that would take the bytes its
+    server's jobs in this request carry past its ``max_request_bytes``. The
+    jobs of each :class:`ExpertServer` are counted together (every tensor
+    reachable in their arguments, each once), admitted in order while they
+    fit; a job that does not fit is refused alone (a later, smaller one may
+    still fit). Unknown experts are left to fail on their own. Runs nothing."""
+    tallies: Dict[int, Tally] = {}
+    verdicts: List[Optional[str]] = []
+    for op, args in jobs:
+        name = args[0] if isinstance(args, (tuple, list)) and args else None
+        with _registry_lock:
+            hosted = _experts.get(name) if isinstance(name, str) else None
+        if hosted is None:
+            verdicts.append(None)
+            continue
+        limit = hosted.server.max_request_bytes
+        tally = tallies.setdefault(id(hosted.server), Tally())
+        try:
+            added = tally.add(args, limit=limit)
+        except ValueError as error:
+            verdicts.append(f"ValueError: {op} request of expert {hosted.name!r}: {error}")
+            continue
+        if added is None:
+            alone = materialised_bytes(args)
+            verdicts.append(
+                f"MemoryError: {op} request of expert {hosted.name!r} carries {alone} bytes of "
+                f"tensors once materialised; with the {tally.total} bytes of the calls admitted "
+                f"before it in the same request, more than max_request_bytes={limit} of this "
+                "server (the limit bounds a whole request; expanded/stride-0 tensors count at "
+                "their full size, nested ones too)")
+            continue
+        verdicts.append(None)
+    return verdicts
 
 
 def _forward(hosted: _Hosted, owner: Any, call_id: Any, seed: int, grad: bool,
@@ -291,7 +323,7 @@ def _forward(hosted: _Hosted, owner: Any, call_id: Any, seed: int, grad: bool,
     mode = "none" if not any(diff) else "stateful" if keep else "stateless"
     if mode == "stateful":
         assert store is not None
-        nbytes = _materialised_bytes(leaves) + _materialised_bytes(outputs)
+        nbytes = materialised_bytes(leaves, outputs)
         store.put(call_id, CallState(hosted.name, owner, leaves, outputs, nbytes))
     return [ex.to_wire(o) for o in outputs], single, diff, mode
 

@@ -26,24 +26,49 @@ Invariants:
   (for :class:`RpcTransport`, the ``rpc_timeout`` of the backend options,
   60 s unless set in ``TensorPipeRpcBackendOptions(rpc_timeout=...)``). A
   finite timeout above what the engine can represent is clamped
-  (:data:`RPC_MAX_TIMEOUT_S`).
+  (:data:`RPC_MAX_TIMEOUT_S`); one below its resolution is rounded *up*
+  (:data:`RPC_RESOLUTION_S`: the RPC agent keeps whole milliseconds, and
+  reads 0 as "no limit"), never down to nothing. Callers that need an exact
+  deadline enforce it themselves (:mod:`.batching` does: a reply after the
+  deadline is dropped).
 * ``Pending.result`` waits in slices of at most :data:`WAIT_SLICE_S`
   seconds in Python, never in one blocking engine call, so a waiting main
   thread gets Ctrl-C (``KeyboardInterrupt``) within a slice, and a waiting
   daemon thread can be stopped at interpreter exit.
+* No reply of :class:`RpcTransport` arrives while the interpreter finalises.
+  A reply (or the agent's timeout) completes its future on a TensorPipe
+  thread, which must take the GIL to unpickle it; past the start of
+  finalisation that thread is killed inside C++ and torch aborts the process
+  ("terminate called ...", status -6), whatever the script's own exit
+  status. So at exit (an ``atexit`` hook, which runs before finalisation)
+  no new request is sent any more (``call`` raises
+  :class:`TransportSendError`: a masked call still running on a worker may
+  try again), requests still in flight, typically calls a deadline masked,
+  get up to :data:`EXIT_SETTLE_S` to end, and if some have not, the local
+  RPC agent is shut down without waiting for them
+  (``rpc.shutdown(graceful=False)``: the process is leaving anyway). The
+  agent is left alone when none is in flight, or when the script shut RPC
+  down itself.
 """
+import atexit
+import itertools
+import math
+import os
 import threading
 import time
-from typing import Any, Callable, Optional, Protocol, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 from ..executor import check_timeout as _check_timeout
 
 __all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
            "RpcTransport", "get_transport", "set_transport", "check_timeout",
-           "RPC_MAX_TIMEOUT_S", "WAIT_SLICE_S", "when_done"]
+           "RPC_MAX_TIMEOUT_S", "RPC_RESOLUTION_S", "WAIT_SLICE_S", "EXIT_SETTLE_S",
+           "when_done", "in_flight"]
 
 RPC_MAX_TIMEOUT_S = 2_147_483.0  # the RPC agent keeps timeouts as int32 milliseconds
+RPC_RESOLUTION_S = 0.001  # ...whole ones, truncated, and 0 means no limit at all
 WAIT_SLICE_S = 0.1  # longest a waiter stays in one blocking wait (signals, exit)
+EXIT_SETTLE_S = 0.5  # at exit, how long requests in flight get to end by themselves
 
 
 def check_timeout(name: str, value: Any, limit: float = RPC_MAX_TIMEOUT_S) -> Optional[float]:
@@ -180,13 +205,70 @@ class _RpcPending:
             raise kind(f"{type(error).__name__}: {error}") from error
 
 
+def _agent_seconds(limit: float) -> float:
+    """``limit`` as the RPC agent will keep it: whole milliseconds (it
+    truncates ``seconds * 1000`` to an int, 0 meaning no limit), rounded up
+    so that the agent never fires before the deadline nor drops it."""
+    ms = max(1, math.ceil(limit / RPC_RESOLUTION_S - 1e-6))
+    return (ms + 0.5) * RPC_RESOLUTION_S  # truncates back to ms, even in float32
+
+
+# -- requests in flight, and a clean exit ----------------------------------------------
+_in_flight: Dict[int, Any] = {}  # futures of RpcTransport not done yet (dict ops: GIL-atomic)
+_keys = itertools.count()
+_exiting = threading.Event()  # set by the exit hook: no new request from then on
+
+
+def _track(future: Any) -> None:
+    key = next(_keys)
+    _in_flight[key] = future
+    future.add_done_callback(lambda _: _in_flight.pop(key, None))
+
+
+def in_flight() -> int:
+    """Requests of :class:`RpcTransport` whose reply has not come (tests, exit)."""
+    return len(_in_flight)
+
+
+def _settle_at_exit(settle: float = EXIT_SETTLE_S) -> None:
+    """The exit hook: see the module docstring's last invariant."""
+    _exiting.set()
+    if not _in_flight:
+        return
+    deadline = time.monotonic() + settle
+    while _in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if not _in_flight:
+        return
+    from torch.distributed import rpc
+
+    try:
+        rpc.shutdown(graceful=False)  # fails the rest locally; no thread runs them later
+    except Exception:  # noqa: BLE001 - not initialised, or shut down meanwhile
+        pass
+    _in_flight.clear()
+
+
+atexit.register(_settle_at_exit)
+
+
+def _after_fork_in_child() -> None:  # the parent's requests are not this process's
+    global _exiting
+    _in_flight.clear()
+    _exiting = threading.Event()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class RpcTransport:
     """:mod:`torch.distributed.rpc`, initialised by the user with ``init_rpc``.
 
     ``timeout=None`` (or ``math.inf``) uses the agent's default RPC timeout
     (the ``rpc_timeout`` of the backend options, 60 s unless configured; note
     that ``rpc_timeout=0`` there means no limit at all). Finite timeouts are
-    clamped to :data:`RPC_MAX_TIMEOUT_S`.
+    clamped to :data:`RPC_MAX_TIMEOUT_S` and rounded up to whole milliseconds
+    (at least one: the agent would read a smaller value as no limit).
     """
 
     name = "torch.distributed.rpc"
@@ -195,15 +277,18 @@ class RpcTransport:
              timeout: Optional[float]) -> Pending:
         from torch.distributed import rpc
 
+        if _exiting.is_set():
+            raise TransportSendError("the interpreter is exiting: no new request is sent")
         try:
             limit = check_timeout("timeout", timeout)
         except (TypeError, ValueError) as error:
             raise TransportSendError(str(error)) from error
-        rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if limit is None else limit
+        rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if limit is None else _agent_seconds(limit)
         try:
             future = rpc.rpc_async(worker, fn, args=args, timeout=rpc_timeout)
         except Exception as error:  # noqa: BLE001 - unknown worker, pickling, not initialised
             raise TransportSendError(f"{type(error).__name__}: {error}") from error
+        _track(future)
         return _RpcPending(future)
 
     def default_timeout(self) -> Optional[float]:

@@ -10,6 +10,12 @@ The world is shut down right after the last test that uses it (not at the end
 of the whole session), and its processes are joined, terminated or killed;
 the tests that use it are collected back to back (first in this directory),
 whichever files they are in.
+
+Options: ``--plans N`` runs N random fault plans (test_fault_plans.py) on
+top of the fixed ones; ``--plans-seed S`` replays the random plans of seed S
+(the run prints the seed it used). Pass them with this directory on the
+command line (``pytest tests/remote --plans 5``): a conftest below the
+rootdir adds options only when pytest loads it at start-up.
 """
 import os
 import sys
@@ -69,6 +75,14 @@ def world() -> Iterator[Tuple[str, ...]]:
     _warm_up_client()
     yield SERVERS
     _shutdown()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("fault plans (tests/remote/test_fault_plans.py)")
+    group.addoption("--plans", type=int, default=0, metavar="N",
+                    help="also run N random fault plans (default 0: the fixed plans only)")
+    group.addoption("--plans-seed", type=int, default=None, metavar="S",
+                    help="the seed of the random fault plans (default: a fresh one, printed)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:

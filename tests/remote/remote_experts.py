@@ -117,7 +117,8 @@ def setup_servers() -> List[ExpertServer]:
     torch.manual_seed(1234 + os.getpid() % 7)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     stateless = dict(_family(""), slow=Sleepy(2.0, fwd=True, bwd=False),
-                     slow_bwd=SlowBackward(2.0), failing=Failing())
+                     slow_bwd=SlowBackward(2.0), failing=Failing(),
+                     ms2=Sleepy(0.002, fwd=True, bwd=False))  # test_remote_stragglers.py
     return [
         ExpertServer(stateless),
         ExpertServer(_family("sf_"), backward="stateful", state_ttl=30.0),
@@ -348,3 +349,15 @@ def failure_client(port: int, kill_pid: int, term_pid: int, queue: Any) -> None:
     finally:
         queue.put(report)
         rpc.shutdown(graceful=False)
+
+
+# -- masked stragglers at exit (test_remote_stragglers.py) ------------------------------
+def straggler_servers() -> List[ExpertServer]:
+    return [ExpertServer({"lin": nn.Linear(WIDTH, WIDTH), "slow": Sleepy(3.0, fwd=True, bwd=False),
+                          "slow_bwd": SlowBackward(3.0)})]
+
+
+def cpu_seconds() -> float:
+    """RPC helper: this process's CPU seconds (user + system, all threads)."""
+    times = os.times()
+    return times.user + times.system
