@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench zoo venv clean
+.PHONY: test demo bench zoo fuzz venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +23,14 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m moe_autograd bench
+
+# The differential oracle on many more cases than `make test` runs, from a
+# fresh seed (printed; replay: pytest tests/oracle --fuzz-seed=S --fuzz-case=K).
+FUZZ_CASES ?= 20000
+fuzz: $(STAMP)
+	@seed=$${FUZZ_SEED:-$$(date +%s)}; echo "fuzz seed: $$seed ($(FUZZ_CASES) cases)"; \
+	MOE_AUTOGRAD_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest tests/oracle -p no:cacheprovider \
+		--fuzz-seed=$$seed
 
 # Every case of the transformers zoo (tests/moe/test_zoo_*.py); make test runs a subset.
 zoo: $(STAMP)

@@ -1,0 +1,272 @@
+"""The oracle's case generator: expert patterns x caller patterns x modes x
+``checkpoint`` x dtypes, drawn from a seed.
+
+A :class:`Case` is plain data (frozen dataclasses of strings, ints and
+bools): :func:`generate` draws case ``index`` of fuzz seed ``seed`` from
+``random.Random(f"{seed}:{index}")``, so one case replays without the others
+(``pytest tests/oracle --fuzz-seed=S --fuzz-case=K``).
+:func:`constructs` names what a case is made of; the tables of
+``oracle_known.py`` and the triage tool key on those names.
+"""
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
+
+from oracle_experts import OUTPUTS, RANDOM_STAGES, STATEFUL_STAGES
+from oracle_functions import FUNCTIONS, RANDOM_FUNCTIONS
+
+MODES = ("inline", "lanes", "parallel", "auto")
+DTYPES = ("float32", "float64", "bfloat16")
+GRAD_MODES = ("grad", "no_grad", "inference")
+FRAMES = ("none", "autocast", "ckpt_nonreentrant", "ckpt_reentrant")
+POST_OPS = ("out_mul_", "in_add_")
+HOOKS = ("in", "out", "param", "post_acc")
+GRAD_METHODS = ("backward", "autograd_grad", "backward_inputs")
+OPTIMIZERS = ("none", "sgd", "adamw")
+#: Input kinds of a call: a leaf that requires grad, one that does not, a
+#: non-leaf (computed from a leaf), and extra integer / bool / keyword inputs.
+X_KINDS = ("leaf_rg", "leaf", "nonleaf")
+EXTRAS = ("none", "idx", "mask", "scale")
+
+# Stage pools, weighted by how often a case draws them.
+_STAGE_WEIGHTS = {
+    "mlp": 6, "linear": 6, "bn": 3, "counter": 3, "spectral_norm": 2, "weight_norm": 2,
+    "orthogonal": 1, "embedding": 2, "dropout": 2, "randn_like": 1, "bernoulli": 1,
+    "inplace": 2, "input_inplace": 1, "introspect": 2, "enable_grad": 2, "requires_grad_": 2, "ckpt_nonreentrant": 1,
+    "ckpt_reentrant": 1, "nested": 2, "use_int": 2,
+}
+_OUTPUT_WEIGHTS = {
+    "tensor": 10, "tuple": 3, "list": 2, "dict": 2, "nontensor": 2, "int_out": 2,
+    "identity": 2, "input_pass": 2, "input_view": 2, "twice": 2, "own_param": 2,
+    "internal_views": 2, "aux": 2, "dataclass": 2, "namespace": 2,
+}
+assert set(_OUTPUT_WEIGHTS) == set(OUTPUTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallSpec:
+    """One call of the batch."""
+    stages: Tuple[str, ...]
+    output: str
+    x_kind: str
+    extra: str
+    #: The earlier call whose module object this call uses (the same module twice).
+    share_with: Optional[int] = None
+    #: The earlier call whose input tensor object this call passes again.
+    same_input_as: Optional[int] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One oracle case: the batch, how the caller makes it, and what it does after."""
+    seed: int
+    index: int
+    calls: Tuple[CallSpec, ...]
+    mode: str
+    checkpoint: Union[bool, Tuple[bool, ...]]
+    dtype: str
+    grad_mode: str
+    frame: str
+    #: The caller used an expert's weight under autocast before the call.
+    pre_autocast_use: bool
+    #: Tie the first Linear weight of every expert to call 0's (one Parameter).
+    tied: bool
+    post_ops: Tuple[str, ...]
+    hooks: Tuple[str, ...]
+    retain_grad: bool
+    grad_method: str
+    second_backward: bool
+    optimizer: str
+    iterations: int
+    #: ``(call, "forward" | "backward")``: that call's expert raises in the first iteration.
+    raise_at: Optional[Tuple[int, str]]
+    #: A ``map_with_parallel_backward`` case: the name of its Function (see
+    #: ``oracle_functions``); the calls' stages are empty then.
+    function: Optional[str] = None
+
+    @property
+    def n(self) -> int:
+        return len(self.calls)
+
+    @property
+    def draws(self) -> bool:
+        """Whether an expert draws random numbers (compare with the reference
+        loop that activates per-call streams, not the plain loop)."""
+        return (any(s in RANDOM_STAGES for c in self.calls for s in c.stages)
+                or self.function in RANDOM_FUNCTIONS)
+
+    @property
+    def backward(self) -> bool:
+        return self.grad_mode == "grad"
+
+    def checkpoint_of(self, i: int) -> bool:
+        return self.checkpoint if isinstance(self.checkpoint, bool) else self.checkpoint[i]
+
+    def describe(self) -> str:
+        entry = (f"map_with_parallel_backward({self.function})" if self.function
+                 else "parallel_apply")
+        lines = [f"case {self.index} of seed {self.seed}: {entry}, {self.n} call(s), mode={self.mode}, "
+                 f"checkpoint={self.checkpoint}, dtype={self.dtype}, grad_mode={self.grad_mode}, "
+                 f"frame={self.frame}, iterations={self.iterations}"]
+        for i, c in enumerate(self.calls):
+            extras = []
+            if c.share_with is not None:
+                extras.append(f"same module as call {c.share_with}")
+            if c.same_input_as is not None:
+                extras.append(f"same input as call {c.same_input_as}")
+            lines.append(f"  call {i}: stages={list(c.stages)} output={c.output} x={c.x_kind} "
+                         f"extra={c.extra}" + (f" ({', '.join(extras)})" if extras else ""))
+        lines.append(f"  caller: pre_autocast_use={self.pre_autocast_use} tied={self.tied} "
+                     f"post_ops={list(self.post_ops)} hooks={list(self.hooks)} "
+                     f"retain_grad={self.retain_grad} grad_method={self.grad_method} "
+                     f"second_backward={self.second_backward} optimizer={self.optimizer} "
+                     f"raise_at={self.raise_at}")
+        return "\n".join(lines)
+
+
+def _weighted(rng: random.Random, weights: dict, k: int) -> List[str]:
+    names = list(weights)
+    return rng.choices(names, weights=[weights[n] for n in names], k=k)
+
+
+def _call(rng: random.Random, dtype: str, i: int, raise_stage: Optional[str]) -> CallSpec:
+    stages = _weighted(rng, _STAGE_WEIGHTS, rng.choice((1, 1, 2, 2, 3)))
+    if dtype == "bfloat16":
+        stages = [s if s != "orthogonal" else "linear" for s in stages]
+    stages = list(dict.fromkeys(stages))  # each stage once per expert
+    if raise_stage is not None:
+        stages.insert(rng.randrange(len(stages) + 1), raise_stage)
+    extra = "idx" if "embedding" in stages else rng.choice(EXTRAS + ("none",) * 3)
+    x_kind = rng.choice(X_KINDS)
+    if "requires_grad_" in stages and rng.random() < 0.7:
+        x_kind = "leaf"  # where it does something
+    return CallSpec(stages=tuple(stages), output=_weighted(rng, _OUTPUT_WEIGHTS, 1)[0],
+                    x_kind=x_kind, extra=extra)
+
+
+def generate(seed: int, index: int) -> Case:
+    """Case ``index`` of fuzz seed ``seed``."""
+    rng = random.Random(f"{seed}:{index}")
+    n = rng.choice((1, 2, 2, 2, 3, 3))
+    dtype = rng.choice(DTYPES)
+    raise_at: Optional[Tuple[int, str]] = None
+    if n >= 2 and rng.random() < 0.06:
+        raise_at = (rng.randrange(n), rng.choice(("forward", "backward")))
+    function = rng.choice(sorted(FUNCTIONS)) if rng.random() < 0.12 else None
+    if function is not None:
+        raise_at = None
+    calls: List[CallSpec] = []
+    for i in range(n):
+        if function is not None:
+            share = rng.randrange(i) if i and rng.random() < 0.2 else None
+            calls.append(CallSpec(stages=(), output="tensor", x_kind=rng.choice(X_KINDS),
+                                  extra="none", share_with=share))
+            continue
+        stage = None
+        if raise_at is not None and raise_at[0] == i:
+            stage = "raise_forward" if raise_at[1] == "forward" else "raise_backward"
+        call = _call(rng, dtype, i, stage)
+        if raise_at is not None and "ckpt_reentrant" in call.stages:
+            # two failing calls: which error surfaces first is its own finding (D13)
+            call = dataclasses.replace(call, stages=tuple(
+                s for s in call.stages if s != "ckpt_reentrant"))
+        if raise_at is not None and call.output in ("dataclass", "namespace"):
+            call = dataclasses.replace(call, output="tensor")  # the runtime refuses those first
+        if i and rng.random() < 0.2 and (raise_at is None or raise_at[0] != i):  # the same module object as an earlier call
+            j = rng.randrange(i)
+            call = dataclasses.replace(calls[j], x_kind=call.x_kind, extra=calls[j].extra,
+                                       share_with=calls[j].share_with if calls[j].share_with
+                                       is not None else j)
+        if i and rng.random() < 0.1:
+            j = rng.randrange(i)
+            # An input that one call modifies in place and another reads: the
+            # runtime's calls race (reported as D23), not drawn.
+            if "input_inplace" not in call.stages + calls[j].stages and not any(
+                    c.same_input_as == j and "input_inplace" in c.stages for c in calls):
+                call = dataclasses.replace(call, same_input_as=j, x_kind=calls[j].x_kind)
+        calls.append(call)
+    mode = rng.choice(MODES)
+    ck_choice = rng.random()
+    checkpoint: Union[bool, Tuple[bool, ...]] = (
+        False if ck_choice < 0.5 or function is not None else True if ck_choice < 0.75
+        else tuple(rng.random() < 0.5 for _ in range(n)))
+    grad_mode = rng.choices(GRAD_MODES, weights=(8, 1.5, 0.5))[0]
+    frame = "none"
+    if grad_mode == "grad":
+        frame = rng.choices(FRAMES, weights=(10, 2, 1, 1))[0]
+    elif rng.random() < 0.2:
+        frame = "autocast"
+    if frame == "ckpt_reentrant":
+        # A Parameter returned from a reentrant checkpoint's function gets the
+        # checkpoint's grad_fn in the loop itself: its backward recurses forever.
+        calls = [dataclasses.replace(c, output="tensor") if c.output == "own_param" else c
+                 for c in calls]
+    pre_autocast_use = frame == "autocast" and rng.random() < 0.5
+    backward = grad_mode == "grad"
+    grad_method = rng.choices(GRAD_METHODS, weights=(6, 2, 2))[0] if backward else "backward"
+    optimizer = "none"
+    if backward and grad_method != "autograd_grad" and rng.random() < 0.3:
+        optimizer = rng.choice(("sgd", "adamw"))
+        if any("embedding" in c.stages for c in calls):
+            optimizer = "sgd"  # AdamW refuses sparse gradients (in the loop too)
+    iterations = 1
+    if backward and rng.random() < 0.3 or mode == "auto" and rng.random() < 0.5:
+        iterations = rng.choice((2, 2, 3))
+    return Case(
+        seed=seed, index=index, calls=tuple(calls), mode=mode, checkpoint=checkpoint,
+        dtype=dtype, grad_mode=grad_mode, frame=frame, pre_autocast_use=pre_autocast_use,
+        tied=n >= 2 and rng.random() < 0.1,
+        post_ops=tuple(op for op in POST_OPS if rng.random() < 0.15),
+        hooks=tuple(h for h in HOOKS if backward and rng.random() < 0.15),
+        retain_grad=backward and rng.random() < 0.15,
+        grad_method=grad_method,
+        second_backward=backward and grad_method == "backward" and rng.random() < 0.1,
+        optimizer=optimizer, iterations=iterations, raise_at=raise_at, function=function,
+    )
+
+
+def constructs(case: Case) -> FrozenSet[str]:
+    """The names of everything a case is made of (``stage:bn``,
+    ``output:aux``, ``caller:autocast``, ``mode:lanes``, ``shared+stateful``...)."""
+    names = {f"mode:{case.mode}", f"dtype:{case.dtype}", f"grad_mode:{case.grad_mode}",
+             f"frame:{case.frame}", f"grad_method:{case.grad_method}",
+             f"optimizer:{case.optimizer}"}
+    flags = [case.checkpoint_of(i) for i in range(case.n)]
+    names.add("checkpoint:all" if all(flags) else "checkpoint:none" if not any(flags)
+              else "checkpoint:mixed")
+    for i, c in enumerate(case.calls):
+        names.update(f"stage:{s}" for s in c.stages)
+        names.add(f"output:{c.output}")
+        names.add(f"x:{c.x_kind}")
+        names.add(f"extra:{c.extra}")
+        if c.share_with is not None:
+            names.add("shared")
+            if STATEFUL_STAGES & set(c.stages):
+                names.add("shared+stateful")
+        if c.same_input_as is not None:
+            names.add("same_input")
+    if case.function is not None:
+        names.update(("entry:map", f"fn:{case.function}"))
+    names.update(f"post:{p}" for p in case.post_ops)
+    names.update(f"hook:{h}" for h in case.hooks)
+    for flag, name in ((case.pre_autocast_use, "pre_autocast_use"), (case.tied, "tied"),
+                       (case.retain_grad, "retain_grad"),
+                       (case.second_backward, "second_backward"),
+                       (case.iterations > 1, "iterations>1"), (case.draws, "draws")):
+        if flag:
+            names.add(name)
+    if case.raise_at is not None:
+        names.add(f"raise:{case.raise_at[1]}")
+    if case.grad_mode == "grad" and any(flags):
+        if "post:in_add_" in names:
+            names.add("checkpoint+post:in_add_")
+        if any(flags[i] and "input_inplace" in c.stages for i, c in enumerate(case.calls)):
+            names.add("checkpoint+stage:input_inplace")
+    return frozenset(names)
+
+
+def cases(seed: int, count: int, only: Optional[Sequence[int]] = None) -> List[Case]:
+    indices = list(only) if only is not None else range(count)
+    return [generate(seed, k) for k in indices]

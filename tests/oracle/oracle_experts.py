@@ -1,0 +1,449 @@
+"""The expert modules the differential oracle composes (see ``test_oracle.py``).
+
+An :class:`Expert` is a chain of *stages* (each a small module mapping a
+hidden tensor to a hidden tensor: an MLP, BatchNorm, dropout, a nested
+``parallel_apply``...) followed by an *output form* (a tensor, a tuple that
+returns the input itself, a dataclass, ``self.aux = loss``...). Every stage
+and form is one construct of the oracle's vocabulary, named by the strings in
+:data:`STAGES` and :data:`OUTPUTS`; :func:`build_expert` turns names into a
+module. Nothing here knows whether it runs under the runtime or in the
+reference loop, except the nested stage, whose ``runner`` the harness sets.
+
+Replay a failure with the command its message prints
+(``pytest tests/oracle --fuzz-seed=S --fuzz-case=K``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint as tuc
+from torch import Tensor, nn
+from torch.nn.utils import parametrizations
+
+WIDTH = 4
+HIDDEN = 8
+ROWS = 3
+VOCAB = 6
+
+#: ``runner(modules, inputs) -> outputs``: the nested stage's way to run a batch.
+Runner = Callable[[Sequence[nn.Module], Sequence[Any]], List[Any]]
+
+
+@dataclasses.dataclass
+class ExpertOut:
+    """An output wrapped in a dataclass (not a pytree node for torch)."""
+    y: Tensor
+    count: int
+
+
+class StageContext:
+    """What a stage may look at besides the hidden tensor: the call's raw
+    arguments."""
+
+    __slots__ = ("x", "idx", "mask", "scale")
+
+    def __init__(self, x: Tensor, idx: Optional[Tensor], mask: Optional[Tensor],
+                 scale: Optional[float]) -> None:
+        self.x, self.idx, self.mask, self.scale = x, idx, mask, scale
+
+
+class Stage(nn.Module):
+    """A step of an expert: ``forward(h, ctx) -> h``."""
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Mlp(Stage):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(WIDTH, HIDDEN), nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return self.fc2(torch.relu(self.fc1(h)))
+
+
+class Lin(Stage):
+    def __init__(self, wrap: Optional[Callable[[nn.Linear], nn.Module]] = None) -> None:
+        super().__init__()
+        fc = nn.Linear(WIDTH, WIDTH)
+        self.fc: nn.Module = wrap(fc) if wrap is not None else fc
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return self.fc(h)
+
+
+class Norm(Stage):
+    """BatchNorm in train mode: running stats are buffers updated in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return self.bn(h)
+
+
+class Counter(Stage):
+    """A buffer and a plain tensor attribute updated in forward, whose values
+    the output depends on (so call order matters for a shared module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Tensor
+        self.register_buffer("count", torch.zeros(()))
+        self.last: Optional[Tensor] = None
+        self.calls_seen = 0
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        with torch.no_grad():
+            self.count += 1
+        self.calls_seen += 1
+        self.last = h.detach().sum()
+        return h * (1 + self.count.to(h.dtype) * 0.25)
+
+
+class Embed(Stage):
+    """A sparse-gradient embedding of the integer input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH, sparse=True)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        assert ctx.idx is not None
+        return h + self.emb(ctx.idx).to(h.dtype)
+
+
+class Dropout(Stage):
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return F.dropout(h, 0.5, training=True)
+
+
+class Noise(Stage):
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return h + 0.125 * torch.randn_like(h)
+
+
+class Bernoulli(Stage):
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return h * torch.bernoulli(torch.full_like(h, 0.75))
+
+
+class InPlace(Stage):
+    """In-place ops on an intermediate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        t = self.fc(h)
+        t.add_(0.5)
+        t.relu_()
+        return t
+
+
+class InputInPlace(Stage):
+    """An in-place op on the call's input inside the expert. ``active`` is
+    set by the harness only where the loop itself can do it (no call of this
+    module gets a leaf that requires grad): the stage must not look at the
+    tensor to decide, the runtime may show it another one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.active = False
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        x = ctx.x
+        if not self.active:
+            return h
+        x.mul_(2)
+        return h * 1 if h is not x else x
+
+
+class Introspect(Stage):
+    """Records what the expert sees of its input and of the thread's modes
+    (``seen``, compared as a multiset: calls may run in any order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: List[Tuple[Any, ...]] = []
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        x = ctx.x
+        self.seen.append((
+            "is_leaf", x.is_leaf, "requires_grad", x.requires_grad,
+            "grad_fn", None if x.grad_fn is None else x.grad_fn.name(),
+            "grad_enabled", torch.is_grad_enabled(),
+            "inference_mode", torch.is_inference_mode_enabled(),
+            "autocast", torch.is_autocast_enabled("cpu"),
+            str(torch.get_autocast_dtype("cpu")) if torch.is_autocast_enabled("cpu") else None,
+            "dtype", str(x.dtype), "is_inference", x.is_inference()))
+        return h
+
+
+class EnableGrad(Stage):
+    """``torch.enable_grad()`` inside the expert (matters under a no_grad caller)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        with torch.enable_grad():
+            return self.fc(h)
+
+
+class RequiresGrad(Stage):
+    """``x.requires_grad_()`` on the call's input inside the expert."""
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if ctx.x.is_leaf and not ctx.x.requires_grad and ctx.x.is_floating_point():
+            ctx.x.requires_grad_()
+        return h + ctx.x if h is not ctx.x else h * 1
+
+
+class InnerCheckpoint(Stage):
+    """``torch.utils.checkpoint`` around a sub-block inside the expert."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def block(self, h: Tensor) -> Tensor:
+        return torch.tanh(self.fc(h))
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return tuc.checkpoint(self.block, h, use_reentrant=self.reentrant)
+
+
+class Nested(Stage):
+    """A nested batch of two calls inside the expert (``parallel_apply`` under
+    the runtime, the reference loop in the reference)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList([nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)])
+        self.runner: Optional[Runner] = None
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        assert self.runner is not None, "the harness sets the nested runner"
+        a, b = self.runner(list(self.subs), [h, h])
+        return a + b
+
+
+class RaiseForward(Stage):
+    """Raises while armed (the harness arms it for one forward)."""
+
+    MESSAGE = "oracle expert failed on purpose"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.armed:
+            raise ValueError(self.MESSAGE)
+        return h
+
+
+class _FailingGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, stage: "RaiseBackward") -> Tensor:  # type: ignore[override]
+        ctx.stage = stage
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        if ctx.stage.armed:
+            raise ValueError(RaiseBackward.MESSAGE)
+        return grad, None
+
+
+class RaiseBackward(Stage):
+    """Raises in backward while armed."""
+
+    MESSAGE = "oracle expert backward failed on purpose"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return _FailingGrad.apply(h, self)
+
+
+class UseInt(Stage):
+    """Uses the integer and bool inputs and the ``scale`` keyword."""
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if ctx.idx is not None:
+            h = h + ctx.idx[:, None].to(h.dtype)
+        if ctx.mask is not None:
+            h = h * ctx.mask
+        if ctx.scale is not None:
+            h = h * ctx.scale
+        return h
+
+
+def _spectral(fc: nn.Linear) -> nn.Module:
+    return parametrizations.spectral_norm(fc)
+
+
+def _weight_norm(fc: nn.Linear) -> nn.Module:
+    return parametrizations.weight_norm(fc)
+
+
+def _orthogonal(fc: nn.Linear) -> nn.Module:
+    return parametrizations.orthogonal(fc)
+
+
+STAGES: Dict[str, Callable[[], Stage]] = {
+    "mlp": Mlp,
+    "linear": Lin,
+    "bn": Norm,
+    "counter": Counter,
+    "spectral_norm": lambda: Lin(_spectral),
+    "weight_norm": lambda: Lin(_weight_norm),
+    "orthogonal": lambda: Lin(_orthogonal),
+    "embedding": Embed,
+    "dropout": Dropout,
+    "randn_like": Noise,
+    "bernoulli": Bernoulli,
+    "inplace": InPlace,
+    "enable_grad": EnableGrad,
+    "input_inplace": InputInPlace,
+    "introspect": Introspect,
+    "requires_grad_": RequiresGrad,
+    "ckpt_nonreentrant": lambda: InnerCheckpoint(False),
+    "ckpt_reentrant": lambda: InnerCheckpoint(True),
+    "nested": Nested,
+    "raise_forward": RaiseForward,
+    "raise_backward": RaiseBackward,
+    "use_int": UseInt,
+}
+
+#: Stages that draw random numbers.
+RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli"})
+#: Stages with buffers or tensor attributes updated in forward.
+STATEFUL_STAGES = frozenset({"bn", "counter", "spectral_norm"})
+
+OUTPUTS = ("tensor", "tuple", "list", "dict", "nontensor", "int_out", "identity", "input_pass",
+           "input_view", "twice", "own_param", "internal_views", "aux", "dataclass",
+           "namespace")
+
+
+class Expert(nn.Module):
+    """``stages`` in order, then ``gain`` (a Parameter), then the output form."""
+
+    def __init__(self, stages: Sequence[str], output: str) -> None:
+        super().__init__()
+        self.stage_names = tuple(stages)
+        self.stages = nn.ModuleList([STAGES[s]() for s in stages])
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.output = output
+        self.aux: Optional[Tensor] = None
+
+    def first_linear(self) -> Optional[nn.Linear]:
+        """The first plain Linear of the expert (the caller's autocast pre-use)."""
+        for m in self.modules():
+            if type(m) is nn.Linear and not torch.nn.utils.parametrize.is_parametrized(m):
+                return m
+        return None
+
+    def forward(self, x: Tensor, idx: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+                scale: Optional[float] = None) -> Any:
+        ctx = StageContext(x, idx, mask, scale)
+        h = x
+        for stage in self.stages:
+            h = stage(h, ctx)
+        h = h * self.gain.to(h.dtype) if h.is_floating_point() else h
+        return self._form(x, h)
+
+    def _form(self, x: Tensor, h: Tensor) -> Any:
+        form = self.output
+        if form == "tensor":
+            return h
+        if form == "tuple":
+            return h, h * 2
+        if form == "list":
+            return [h, h.sum()]
+        if form == "dict":
+            return {"y": h, "n": 3, "none": None}
+        if form == "nontensor":
+            return h, None, 3, "text"
+        if form == "int_out":
+            return h, h.argmax(-1), h > 0
+        if form == "identity":
+            return x
+        if form == "input_pass":
+            return h, x
+        if form == "input_view":
+            return h, x[:, :2]
+        if form == "twice":
+            return h, h
+        if form == "own_param":
+            return h, self.gain
+        if form == "internal_views":
+            t = h * 1
+            return t.view(-1), t[0]
+        if form == "aux":
+            self.aux = (h.float() ** 2).mean()
+            return h
+        if form == "dataclass":
+            return ExpertOut(y=h, count=2)
+        if form == "namespace":
+            return SimpleNamespace(y=h, tag="t")
+        raise ValueError(f"unknown output form {form!r}")
+
+
+def build_expert(stages: Sequence[str], output: str) -> Expert:
+    return Expert(stages, output)
+
+
+def tensor_leaves(value: Any) -> List[Tensor]:
+    """The tensors of an expert's result, in a fixed order, looking inside
+    the containers the oracle's output forms use (dataclass, namespace too)."""
+    found: List[Tensor] = []
+
+    def walk(v: Any) -> None:
+        if isinstance(v, Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            for item in v:
+                walk(item)
+        elif isinstance(v, dict):
+            for key in sorted(v, key=str):
+                walk(v[key])
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            for field in dataclasses.fields(v):
+                walk(getattr(v, field.name))
+        elif isinstance(v, SimpleNamespace):
+            for key in sorted(vars(v)):
+                walk(vars(v)[key])
+
+    walk(value)
+    return found
+
+
+def structure(value: Any) -> Any:
+    """The result's shape with tensors replaced by a marker: containers,
+    their types and the non-tensor values must match the loop's."""
+    if isinstance(value, Tensor):
+        return "<tensor>"
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(structure(v) for v in value))
+    if isinstance(value, dict):
+        return ("dict", tuple((k, structure(value[k])) for k in sorted(value, key=str)))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return (type(value).__name__,
+                tuple((f.name, structure(getattr(value, f.name))) for f in dataclasses.fields(value)))
+    if isinstance(value, SimpleNamespace):
+        return ("SimpleNamespace", tuple((k, structure(v)) for k, v in sorted(vars(value).items())))
+    return repr(value)

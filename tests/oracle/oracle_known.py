@@ -1,0 +1,272 @@
+"""The oracle's two tables, keyed by construct (see ``oracle_cases.constructs``).
+
+``RAISES_IS_CONTRACT``: constructs for which the runtime may raise a clear
+error (naming the call: ``call i of n``) where the loop computes; a case that
+has one of them passes if the runtime raises such an error. Anywhere else a
+runtime error the loop does not raise is a divergence.
+
+``KNOWN_DIVERGENCES``: divergences found and not fixed yet. An entry names
+the constructs a case must have (``applies``) and where the divergence shows
+(``steps``: the step of the record, ``kinds``: value / unexpected_error /
+missing_error). A case it applies to that diverges *there* is xfailed; any
+other divergence of that case still fails. For every entry a sentinel test,
+``test_known_divergence_still_present[<name>]``, is ``xfail(strict=True)``:
+it fails (as expected) while some case of the sample still shows the
+divergence, and XPASSes (so fails, strict) once none does: then delete the
+entry (and the ``xfail`` of its test in ``tests/test_regressions_oracle.py``).
+
+Replay one case: ``pytest tests/oracle --fuzz-seed=S --fuzz-case=K``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, FrozenSet, List, Optional, Tuple
+
+from oracle_cases import Case, constructs
+from oracle_harness import Divergence
+
+#: Constructs for which "a clear error naming the call" is the contract.
+RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
+    # Tensors inside objects that are not pytrees: the runtime refuses them
+    # ("the expert returned a SimpleNamespace holding tensors ...").
+    "output:dataclass",
+    "output:namespace",
+    # Reentrant torch.utils.checkpoint inside an expert cannot run in the
+    # call's backward (a torch.autograd.grad): "the expert uses
+    # torch.utils.checkpoint(use_reentrant=True) ...".
+    "stage:ckpt_reentrant",
+    # An input of a checkpointed call modified in place after the call: the
+    # recomputation cannot see the forward's values (the loop kept them as
+    # saved activations, or raises): "an input of the checkpointed call was
+    # modified in place after the call ...".
+    "checkpoint+post:in_add_",
+    # The same, by the checkpointed expert itself (an in-place op on its input).
+    "checkpoint+stage:input_inplace",
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """One known divergence: the cases it may show in, and where it shows."""
+    name: str
+    reason: str
+    applies: Callable[[Case], bool]
+    #: Steps of the record (the key without its ``itN.`` prefix) where it shows.
+    steps: Tuple[str, ...]
+    kinds: Tuple[str, ...] = ("value",)
+    #: ``(seed, index)`` of cases that showed it, run by its sentinel besides
+    #: the sample (a divergence may hide behind another in the sample's cases).
+    witnesses: Tuple[Tuple[int, int], ...] = ()
+
+    def matches(self, case: Case, divergence: Divergence) -> bool:
+        step = divergence.key.split(".", 1)[1] if divergence.key.startswith("it") \
+            else divergence.key
+        return self.applies(case) and divergence.kind in self.kinds and step in self.steps
+
+
+def _all(*names: str) -> Callable[[Case], bool]:
+    def applies(case: Case) -> bool:
+        return set(names) <= constructs(case)
+    return applies
+
+
+def _any(*names: str) -> Callable[[Case], bool]:
+    def applies(case: Case) -> bool:
+        return bool(set(names) & constructs(case))
+    return applies
+
+
+#: Divergences not fixed yet. Keep them few and precise: a case may only be
+#: xfailed by an entry whose constructs it has and whose step it diverges at.
+KNOWN_DIVERGENCES: List[Known] = [
+    Known("D1-nested-global-rng",
+          "a nested parallel_apply inside an expert draws from the global generator although "
+          "nothing draws random numbers",
+          lambda c: "stage:nested" in constructs(c) and not c.draws, ("rng", "end.rng"),
+          witnesses=((0, 16), (0, 24), (0, 33))),
+    Known("D2-checkpoint-tensor-attribute",
+          "checkpoint=True: a tensor attribute set in forward (self.last = x.detach().sum()) "
+          "comes back requiring grad",
+          lambda c: _checkpointed_with(c, "counter"), ("state", "after_step"),
+          witnesses=((0, 3), (0, 42), (0, 61))),
+    Known("D3-checkpoint-input-modified-in-place",
+          "checkpoint=True: the recomputation uses an input modified in place after the call "
+          "(the loop raises, or keeps the old values)",
+          lambda c: "post:in_add_" in constructs(c) and _any_checkpointed(c),
+          ("backward", "autograd_grad", "grads", "autograd_grad.values", "grads2",
+           "after_step", "hooks"), ("value", "missing_error"),
+          witnesses=((0, 877),)),
+    Known("D5-output-hook-partial-gradient",
+          "a hook / retain_grad on an output that other outputs or self.aux are computed from "
+          "sees only its direct gradient",
+          lambda c: bool({"hook:out", "retain_grad"} & constructs(c)) and bool(
+              {"output:tuple", "output:list", "output:aux", "output:internal_views"}
+              & constructs(c)), ("hooks", "retained"),
+          witnesses=((0, 64), (0, 102), (0, 133))),
+    Known("D7a-requires-grad-on-shared-input",
+          "x.requires_grad_() inside one call on an input another call also receives: the "
+          "other call's use of it gets no gradient",
+          _all("stage:requires_grad_", "x:leaf", "same_input"),
+          ("outputs", "state", "grads", "autograd_grad.values", "grads2", "after_step",
+           "autograd_grad", "backward", "fail.outcome"),
+          ("value", "unexpected_error", "missing_error"),
+          witnesses=((0, 140), (0, 322), (0, 468))),
+    Known("D7b-requires-grad-in-checkpointed-call",
+          "x.requires_grad_() inside a checkpointed call: the recomputation tracks x from the "
+          "start (the loop only from the requires_grad_ on), wrong input gradients",
+          lambda c: any(c.checkpoint_of(i) and "requires_grad_" in s.stages
+                        and s.x_kind == "leaf" for i, s in enumerate(c.calls))
+          and c.grad_mode == "grad",
+          ("grads", "autograd_grad.values", "grads2", "after_step", "backward"),
+          ("value", "missing_error"),
+          witnesses=((0, 293), (0, 698), (1, 316))),
+    Known("D7c-requires-grad-on-returned-input",
+          "x.requires_grad_() inside an expert that returns x (or a view of it): the "
+          "caller's output does not require grad",
+          lambda c: any("requires_grad_" in s.stages and s.x_kind == "leaf"
+                        and s.output in ("identity", "input_view", "input_pass")
+                        for s in c.calls), ("outputs", "inputs", "backward", "autograd_grad"),
+          ("value", "unexpected_error"),
+          witnesses=((0, 70), (0, 157), (0, 229))),
+    Known("D7d-requires-grad-in-reentrant-frame",
+          "x.requires_grad_() inside an expert called in a reentrant checkpoint frame: "
+          "input gradients differ",
+          _all("stage:requires_grad_", "x:leaf", "frame:ckpt_reentrant"),
+          ("inputs", "grads", "autograd_grad.values", "grads2", "after_step"),
+          witnesses=((0, 187), (0, 895), (1, 574))),
+    Known("D7e-requires-grad-under-no-grad",
+          "x.requires_grad_() inside an expert called under no_grad / inference_mode does "
+          "not reach the caller's tensor",
+          lambda c: c.grad_mode in ("no_grad", "inference")
+          and _all("stage:requires_grad_", "x:leaf")(c), ("inputs", "outputs", "relations"),
+          witnesses=((0, 22), (0, 35), (0, 371))),
+    Known("D15-expert-in-place-on-non-leaf-input",
+          "an in-place op of the expert on its non-leaf input raises 'a leaf Variable that "
+          "requires grad is being used in an in-place operation' (the call sees a detached "
+          "leaf); the loop computes",
+          lambda c: any("input_inplace" in s.stages and s.x_kind == "nonleaf"
+                        for s in c.calls),
+          ("forward", "fail.outcome", "inputs", "outputs", "relations", "post.outputs", "grads",
+           "autograd_grad.values", "input_versions", "post.versions", "backward", "hooks",
+           "after_step"), ("value", "unexpected_error", "missing_error"),
+          witnesses=((0, 84), (0, 250), (0, 577))),
+    Known("D19a-checkpointed-expert-sees-grad-disabled",
+          "checkpoint=True: the expert's forward runs with torch.is_grad_enabled() False "
+          "(the loop's: True)",
+          lambda c: _checkpointed_with(c, "introspect"), ("state", "after_step"),
+          witnesses=((0, 7), (0, 31), (0, 164))),
+    Known("D19b-expert-sees-non-leaf-input-as-leaf",
+          "a non-leaf input is seen by the expert as a leaf (is_leaf True, grad_fn None), "
+          "also under no_grad / inference_mode where nothing needs isolating",
+          lambda c: any("introspect" in s.stages and s.x_kind == "nonleaf" for s in c.calls),
+          ("state", "after_step"),
+          witnesses=((0, 152), (0, 204), (0, 269))),
+    Known("D16-function-returning-its-input",
+          "map_with_parallel_backward: a Function returning an input (as is, or dirty) "
+          "gives an output that is not a view of the caller's tensor, and under no_grad / "
+          "inference_mode one that requires grad",
+          lambda c: c.function in ("FPassThrough", "FDirty"),
+          ("relations", "outputs", "post.outputs", "post.versions", "inputs", "grads",
+           "autograd_grad.values", "after_step", "input_versions"),
+          witnesses=((0, 170), (0, 231), (0, 235))),
+    Known("D17-function-integer-output-grad-not-materialized",
+          "map_with_parallel_backward: backward gets None for an integer output where "
+          "Function.apply materializes zeros",
+          lambda c: c.function == "FNonDiff", ("fn_log.backward",),
+          witnesses=((0, 105), (0, 330), (0, 541))),
+    Known("D8-inference-view-of-input",
+          "inference_mode: an output that is a view of the input is not a view of the "
+          "caller's tensor",
+          _all("grad_mode:inference", "output:input_view"), ("relations",),
+          witnesses=((0, 56), (0, 445), (0, 562))),
+    Known("D9-no-pruning",
+          "backward(inputs=...) / autograd.grad(subset) run every call's whole backward: "
+          "hooks fire and grads are retained on outputs the loop never reaches, errors of "
+          "unneeded parts are raised",
+          lambda c: c.grad_method in ("backward_inputs", "autograd_grad")
+          and (bool({"hook:out", "retain_grad", "raise:backward"} & constructs(c))
+               or c.function is not None),
+          ("hooks", "retained", "fail.outcome", "fn_log.backward"),
+          ("value", "unexpected_error"),
+          witnesses=((0, 210), (0, 750), (0, 795))),
+    Known("D10-inline-backward-error-unnamed",
+          "mode=inline: an expert's error in backward does not name the call",
+          _all("raise:backward", "mode:inline"), ("fail.names_call",),
+          witnesses=((0, 2), (0, 588), (1, 300))),
+    Known("D11-shared-spectral-norm-grad-bits",
+          "a spectral_norm module used by several calls: the weight's gradient differs in "
+          "the last bits (per-call sums, then across calls)",
+          _all("shared", "stage:spectral_norm"), ("grads", "autograd_grad.values", "grads2",
+                                                 "after_step"),
+          witnesses=((0, 236), (1, 50), (1, 902))),
+    Known("D12-input-several-paths-and-returned-grad-bits",
+          "an input used on several paths (inside a call, or by several calls) and also "
+          "returned (itself or a view): its gradient terms are summed in another order "
+          "(last bits)",
+          lambda c: any(s.output in ("identity", "input_view", "input_pass")
+                        for s in c.calls) and (
+              "same_input" in constructs(c)
+              or any({"nested", "requires_grad_"} & set(s.stages) for s in c.calls)),
+          ("grads", "autograd_grad.values", "grads2", "after_step"),
+          witnesses=((1, 4), (1, 1675), (1, 1719))),
+    Known("D24-sparse-gradient-aliases-input-gradient",
+          "a sparse embedding gradient shares memory with the input's .grad: the next "
+          "accumulation into x.grad changes emb.weight.grad",
+          lambda c: "stage:embedding" in constructs(c)
+          and (c.iterations > 1 or c.second_backward),
+          ("grads", "grads2", "after_step", "autograd_grad.values", "hooks"),
+          witnesses=((7, 1274),)),
+    Known("D20-checkpoint-unused-parameter-hooks-fire",
+          "checkpoint=True: hooks (register_hook, post-accumulate) of a parameter the call's "
+          "output does not depend on fire with None; the loop's do not fire",
+          lambda c: _any_checkpointed(c) and bool({"hook:param", "hook:post_acc"}
+                                                   & constructs(c)), ("hooks",),
+          witnesses=((1, 425), (1, 588), (1, 625))),
+    Known("D21-backward-error-under-autocast-unnamed",
+          "under autocast, an expert's error in backward does not name the call",
+          _all("raise:backward", "frame:autocast"), ("fail.names_call",),
+          witnesses=((1, 467), (1, 505), (1, 1788))),
+    Known("D22-checkpoint-output-modified-in-place",
+          "checkpoint=True: an output modified in place after the call, which the call's "
+          "backward needs (self.aux computed from it): the loop raises, the runtime "
+          "recomputes silently",
+          lambda c: _any_checkpointed(c) and "post:out_mul_" in constructs(c),
+          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
+          ("value", "missing_error"),
+          witnesses=((1, 445), (1, 1946))),
+    Known("D14-checkpoint-frame-around-checkpointed-stateful-call",
+          "a non-reentrant checkpoint frame around checkpoint=True calls whose forward "
+          "updates buffers (BatchNorm, spectral_norm): buffers and gradients differ",
+          lambda c: c.frame == "ckpt_nonreentrant" and any(
+              _checkpointed_with(c, st) for st in ("spectral_norm", "bn", "counter")),
+          ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs"),
+          witnesses=((1, 313), (1, 2457), (7, 541))),
+    Known("D18-function-saved-input-modified-in-place",
+          "map_with_parallel_backward: an input the Function saved, modified in place after "
+          "the call: no version check (the loop raises)",
+          lambda c: c.function is not None and c.function not in ("FDirty", "FRandom")
+          and "post:in_add_" in constructs(c),
+          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
+          ("value", "missing_error"),
+          witnesses=((0, 598), (1, 105), (1, 277))),
+]
+
+
+def _any_checkpointed(case: Case) -> bool:
+    return case.grad_mode == "grad" and any(case.checkpoint_of(i) for i in range(case.n))
+
+
+def _checkpointed_with(case: Case, stage: str) -> bool:
+    return case.grad_mode == "grad" and any(
+        case.checkpoint_of(i) and stage in s.stages for i, s in enumerate(case.calls))
+
+
+def may_raise(case: Case) -> bool:
+    return bool(RAISES_IS_CONTRACT & constructs(case))
+
+
+def known_divergence(case: Case, divergence: Divergence) -> Optional[Known]:
+    for known in KNOWN_DIVERGENCES:
+        if known.matches(case, divergence):
+            return known
+    return None

@@ -1,0 +1,749 @@
+"""Named regression tests for the divergences the differential oracle
+(``tests/oracle``) found between the runtime and a plain loop.
+
+Each test is the smallest form of one divergence: it runs the same thing
+through ``parallel_apply`` and through ``[m(*a) for m, a in zip(...)]`` and
+asserts that what the caller can observe is the same (or that the runtime
+raises a clear error naming the call, where that is the contract). A test
+of a divergence not fixed yet is ``xfail(strict=True)``: when the fix lands
+it XPASSes and fails, and the mark (and the matching entry of
+``tests/oracle/oracle_known.py``) must go.
+
+Replay the oracle case a test came from with the ``pytest tests/oracle
+--fuzz-seed=S --fuzz-case=K`` line in its docstring, where it has one.
+"""
+import copy
+from typing import Any, Callable, List, Sequence, Tuple
+
+import pytest
+import torch
+import torch.utils.checkpoint as tuc
+from torch import Tensor, nn
+
+from moe_autograd import parallel_apply
+
+pytestmark = pytest.mark.timeout(60)
+
+MODES = ["inline", "lanes", "parallel"]
+
+
+def loop(modules: Sequence[nn.Module], inputs: Sequence[Any]) -> List[Any]:
+    return [m(*(a if isinstance(a, tuple) else (a,))) for m, a in zip(modules, inputs)]
+
+
+def twins(make: Callable[[], nn.Module], n: int = 1) -> Tuple[List[Any], List[Any]]:
+    """``n`` modules, and an identical deep copy of them (for the loop)."""
+    torch.manual_seed(0)
+    mods = [make() for _ in range(n)]
+    return mods, copy.deepcopy(mods)
+
+
+def bits_equal(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+class Nested(nn.Module):
+    """An expert that runs a nested batch of two calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.nested_loop = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        subs = list(self.subs)
+        a, b = loop(subs, [x, x]) if self.nested_loop else parallel_apply(subs, [x, x])
+        return a + b
+
+
+@pytest.mark.xfail(strict=True, reason="D1: a nested parallel_apply draws from the global "
+                   "generator although nothing draws random numbers")
+@pytest.mark.parametrize("mode", MODES)
+def test_nested_parallel_apply_leaves_global_rng_alone(mode: str) -> None:
+    """oracle: stage nested; e.g. pytest tests/oracle --fuzz-seed=0 --fuzz-case=32"""
+    (expert,), _ = twins(Nested)
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    parallel_apply([expert], [torch.ones(3, 4)], mode=mode)
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+class TensorAttr(nn.Module):
+    """Keeps a plain tensor attribute and a counter buffer, set in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.count: Tensor
+        self.register_buffer("count", torch.zeros(()))
+        self.last: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.count += 1
+        self.last = x.detach().sum()
+        return self.fc(x) * (1 + self.count)
+
+
+@pytest.mark.xfail(strict=True, reason="D2: checkpoint=True turns a detached tensor attribute "
+                   "set in forward into one that requires grad")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_call_keeps_tensor_attribute_as_set(mode: str) -> None:
+    """oracle: checkpoint:all + stage:counter; pytest tests/oracle --fuzz-seed=0 --fuzz-case=13"""
+    (mod,), (ref,) = twins(TensorAttr)
+    x = torch.randn(3, 4, requires_grad=True)
+    parallel_apply([mod], [x], checkpoint=True, mode=mode)[0].sum().backward()
+    ref(x.detach().requires_grad_()).sum().backward()
+    assert mod.last.requires_grad == ref.last.requires_grad
+    assert (mod.last.grad_fn is None) == (ref.last.grad_fn is None)
+    assert bits_equal(mod.last, ref.last) and bits_equal(mod.count, ref.count)
+
+
+@pytest.mark.xfail(strict=True, reason="D3: a checkpointed call recomputes from an input that "
+                   "was modified in place after the call, silently (the loop raises)")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_call_detects_input_modified_in_place(mode: str) -> None:
+    """oracle: checkpoint:all + post:in_add_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=7"""
+    (mod,), _ = twins(lambda: nn.Linear(4, 4))
+    x = torch.randn(3, 4, requires_grad=True)
+    y = parallel_apply([mod], [x], checkpoint=True, mode=mode)[0]
+    with torch.no_grad():
+        x.add_(1)  # the loop's Linear saved x: its backward raises
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+class InnerReentrant(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return tuc.checkpoint(self.fc, x, use_reentrant=True)
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_reentrant_checkpoint_inside_expert_raises_clearly(mode: str) -> None:
+    """D4 (raising is the contract): reentrant torch.utils.checkpoint inside an
+    expert cannot run in the runtime's backward (a torch.autograd.grad); the
+    error names the call and the construct. oracle: stage:ckpt_reentrant;
+    pytest tests/oracle --fuzz-seed=0 --fuzz-case=12"""
+    (mod,), _ = twins(InnerReentrant)
+    x = torch.randn(3, 4, requires_grad=True)
+    y = parallel_apply([mod], [x], mode=mode)[0]
+    with pytest.raises(RuntimeError, match=r"call 0 of 1.*use_reentrant=True"):
+        y.sum().backward()
+
+
+class TwoOutputs(nn.Module):
+    """Returns ``h`` and something computed from ``h``; ``self.aux`` too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.aux: Any = None
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        h = self.fc(x)
+        self.aux = (h ** 2).mean()
+        return h, h * 2
+
+
+@pytest.mark.xfail(strict=True, reason="D5: a hook / retain_grad on an output that other "
+                   "outputs (or self.aux) are computed from sees only its direct gradient")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_output_hook_sees_gradient_through_other_outputs(mode: str) -> None:
+    """oracle: hook:out + output:tuple / output:aux / retain_grad;
+    pytest tests/oracle --fuzz-seed=0 --fuzz-case=126"""
+    (mod,), (ref,) = twins(TwoOutputs)
+    x = torch.randn(3, 4, requires_grad=True)
+    got: List[Tensor] = []
+    want: List[Tensor] = []
+    h, h2 = parallel_apply([mod], [x], mode=mode)[0]
+    h.register_hook(got.append)
+    (h.sum() + h2.sum() + mod.aux).backward()
+    rh, rh2 = ref(x.detach().requires_grad_())
+    rh.register_hook(want.append)
+    (rh.sum() + rh2.sum() + ref.aux).backward()
+    assert len(got) == len(want) == 1 and bits_equal(got[0], want[0])
+
+
+class Identity(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_expert_returning_its_input(mode: str) -> None:
+    """D6 (fixed): checkpoint=True and an expert returning its input raised a
+    bare AssertionError in ModuleCall.rebuild.
+    oracle: checkpoint:all + output:identity; pytest tests/oracle --fuzz-seed=0 --fuzz-case=29"""
+    (mod,), _ = twins(Identity)
+    x = torch.randn(3, 4, requires_grad=True)
+    try:
+        y = parallel_apply([mod], [x], checkpoint=True, mode=mode)[0]
+    except Exception as error:  # a clear error is the other acceptable outcome
+        assert "call 0 of 1" in str(error) + "".join(getattr(error, "__notes__", ()))
+        return
+    assert y is x or bits_equal(y, x)
+    y.sum().backward()
+    assert bits_equal(x.grad, torch.ones(3, 4))
+
+
+class SetsRequiresGrad(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.requires_grad_()
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_on_input_inside_expert(mode: str, checkpoint: bool) -> None:
+    """D7 (fixed): x.requires_grad_() on an input inside an expert reaches the
+    caller's tensor. oracle: stage:requires_grad_ + x:leaf;
+    pytest tests/oracle --fuzz-seed=0 --fuzz-case=3"""
+    (mod,), (ref,) = twins(SetsRequiresGrad)
+    x, rx = torch.randn(3, 4), torch.randn(3, 4)
+    rx.copy_(x)
+    parallel_apply([mod], [x], checkpoint=checkpoint, mode=mode)[0].sum().backward()
+    ref(rx).sum().backward()
+    assert x.requires_grad == rx.requires_grad
+    assert bits_equal(x.grad, rx.grad)
+    assert bits_equal(mod.fc.weight.grad, ref.fc.weight.grad)
+
+
+class ViewOfInput(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :2]
+
+
+@pytest.mark.parametrize("grad_mode", [
+    "no_grad",
+    pytest.param("inference_mode", marks=pytest.mark.xfail(
+        strict=True, reason="D8: under inference_mode, an output that is a view of the input "
+        "is not a view of the caller's tensor")),
+])
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_view_of_input_under_no_grad(mode: str, grad_mode: str) -> None:
+    """oracle: grad_mode:inference + output:input_view; pytest tests/oracle --fuzz-seed=0 --fuzz-case=56"""
+    x = torch.randn(3, 4)
+    with getattr(torch, grad_mode)():
+        y = parallel_apply([ViewOfInput()], [x], mode=mode)[0]
+        ry = ViewOfInput()(x)
+    assert (y._base is x) == (ry._base is x)
+
+
+class Two(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.xfail(strict=True, reason="D9: backward(inputs=...) / autograd.grad of a subset "
+                   "still runs every call's backward: hooks fire and retained grads appear on "
+                   "outputs the loop's backward never reaches")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_backward_inputs_prunes_calls(mode: str) -> None:
+    """oracle: grad_method:backward_inputs + hook:out / retain_grad;
+    pytest tests/oracle --fuzz-seed=0 --fuzz-case=283"""
+    mods, refs = twins(Two, 2)
+    xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    fired: List[int] = []
+    ys = parallel_apply(mods, xs, mode=mode)
+    ys[1].register_hook(lambda g: fired.append(1))
+    (ys[0].sum() + ys[1].sum()).backward(inputs=[mods[0].fc.weight])
+    ref_fired: List[int] = []
+    rys = loop(refs, [x.detach().requires_grad_() for x in xs])
+    rys[1].register_hook(lambda g: ref_fired.append(1))
+    (rys[0].sum() + rys[1].sum()).backward(inputs=[refs[0].fc.weight])
+    assert fired == ref_fired == []
+
+
+class FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        raise ValueError("expert backward failed")
+
+
+class RaisesInBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return FailsInBackward.apply(x) * self.gain
+
+
+@pytest.mark.xfail(strict=True, reason="D9: autograd.grad w.r.t. parameters only still runs "
+                   "the part of a call's backward the loop never runs (here: raises)")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_autograd_grad_of_params_skips_unneeded_backward(mode: str) -> None:
+    """oracle: grad_method:autograd_grad + raise:backward; pytest tests/oracle --fuzz-seed=0 --fuzz-case=200"""
+    (mod,), (ref,) = twins(RaisesInBackward)
+    x = torch.randn(3, 4, requires_grad=True)
+    (want,) = torch.autograd.grad(ref(x).sum(), [ref.gain])
+    (got,) = torch.autograd.grad(parallel_apply([mod], [x], mode=mode)[0].sum(), [mod.gain])
+    assert bits_equal(got, want)
+
+
+@pytest.mark.xfail(strict=True, reason="D10: in inline mode an expert's error in backward does "
+                   "not name the call")
+def test_inline_backward_error_names_the_call() -> None:
+    """oracle: raise:backward + mode:inline (or auto once it runs inline)"""
+    (mod,), _ = twins(RaisesInBackward)
+    y = parallel_apply([mod, mod], [torch.randn(3, 4, requires_grad=True)] * 2, mode="inline")
+    with pytest.raises(ValueError) as info:
+        (y[0].sum() + y[1].sum()).backward()
+    text = str(info.value) + "".join(getattr(info.value, "__notes__", ()))
+    assert "call 1 of 2" in text or "call 0 of 2" in text
+
+
+class NestedPassThrough(nn.Module):
+    """A nested batch on ``x`` twice, and ``x`` itself returned too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Nested()
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        return self.inner(x), x
+
+
+@pytest.mark.xfail(strict=True, reason="D12: an input used by a nested batch twice and "
+                   "returned too gets its gradient terms summed in another order (last bits)")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_nested_batch_on_a_passed_through_input(mode: str) -> None:
+    """oracle: stage:nested + output:input_pass; pytest tests/oracle --fuzz-seed=0 --fuzz-case=84"""
+    (mod,), (ref,) = twins(NestedPassThrough)
+    ref.inner.nested_loop = True
+    torch.manual_seed(3)
+    x = torch.randn(3, 4, requires_grad=True)
+    rx = x.detach().clone().requires_grad_()
+    w = torch.randn(3, 4)
+    y, same = parallel_apply([mod], [x], mode=mode)[0]
+    ((y * w).sum() + (same * 3).sum()).backward()
+    ry, rsame = ref(rx)
+    ((ry * w).sum() + (rsame * 3).sum()).backward()
+    assert bits_equal(x.grad, rx.grad)
+
+
+class SpectralLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+@pytest.mark.xfail(strict=True, reason="D11: a spectral_norm module used by two calls: its "
+                   "weight's gradient differs from the loop's")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_shared_spectral_norm_module(mode: str) -> None:
+    """oracle: shared + stage:spectral_norm; e.g. pytest tests/oracle --fuzz-seed=0 --fuzz-case=322"""
+    (mod,), (ref,) = twins(SpectralLinear)
+    xs = [torch.randn(3, 4, requires_grad=True) for _ in range(2)]
+    ys = parallel_apply([mod, mod], xs, mode=mode)
+    rys = loop([ref, ref], [x.detach().requires_grad_() for x in xs])
+    for y, ry in zip(ys, rys):
+        assert bits_equal(y, ry)
+    (ys[0].sum() + 2 * ys[1].sum()).backward()
+    (rys[0].sum() + 2 * rys[1].sum()).backward()
+    original = mod.fc.parametrizations.weight.original
+    assert bits_equal(original.grad, ref.fc.parametrizations.weight.original.grad)
+    assert bits_equal(mod.fc.parametrizations.weight[0]._u, ref.fc.parametrizations.weight[0]._u)
+
+
+class Scale(nn.Module):
+    """``x * w``; with ``flip``, calls ``x.requires_grad_()`` first."""
+
+    def __init__(self, flip: bool = False, returns_input: bool = False) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.flip, self.returns_input = flip, returns_input
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.flip:
+            x.requires_grad_()
+        return x if self.returns_input else x * self.w
+
+
+@pytest.mark.xfail(strict=True, reason="D7a: requires_grad_() in one call on an input that a "
+                   "later call also receives: the later call's use gets no gradient")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_on_input_shared_with_another_call(mode: str) -> None:
+    """oracle: stage:requires_grad_ + same_input; pytest tests/oracle --fuzz-seed=0 --fuzz-case=88"""
+    x, rx = torch.randn(3, 4), torch.randn(3, 4)
+    rx.copy_(x)
+    ys = parallel_apply([Scale(flip=True), Scale()], [x, x], mode=mode)
+    (ys[0].sum() + ys[1].sum()).backward()
+    rys = loop([Scale(flip=True), Scale()], [rx, rx])
+    (rys[0].sum() + rys[1].sum()).backward()
+    assert bits_equal(x.grad, rx.grad)
+
+
+class LinearThenFlip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)  # x does not require grad yet: the loop does not track this use
+        x.requires_grad_()
+        return h + x
+
+
+@pytest.mark.xfail(strict=True, reason="D7b: requires_grad_() inside a checkpointed call: the "
+                   "recomputation tracks the input from the start, the input's grad is wrong")
+@pytest.mark.parametrize("mode", MODES)
+def test_requires_grad_inside_checkpointed_call(mode: str) -> None:
+    """oracle: checkpoint + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=234"""
+    (mod,), (ref,) = twins(LinearThenFlip)
+    x, rx = torch.randn(3, 4), torch.randn(3, 4)
+    rx.copy_(x)
+    parallel_apply([mod], [x], checkpoint=True, mode=mode)[0].sum().backward()
+    ref(rx).sum().backward()
+    assert bits_equal(x.grad, rx.grad)  # ones: only the "+ x" use
+
+
+@pytest.mark.xfail(strict=True, reason="D7c: requires_grad_() on an input the expert returns: "
+                   "the caller's input and output do not require grad")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_on_returned_input(mode: str) -> None:
+    """oracle: stage:requires_grad_ + output:identity; pytest tests/oracle --fuzz-seed=0 --fuzz-case=484"""
+    x = torch.randn(3, 4)
+    y = parallel_apply([Scale(flip=True, returns_input=True)], [x], mode=mode)[0]
+    assert x.requires_grad and y.requires_grad
+
+
+@pytest.mark.xfail(strict=True, reason="D7d: requires_grad_() inside an expert called in a "
+                   "reentrant checkpoint frame does not reach the caller's tensor")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_inside_reentrant_checkpoint_frame(mode: str) -> None:
+    """oracle: frame:ckpt_reentrant + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=187"""
+    x, rx = torch.randn(3, 4), torch.randn(3, 4)
+    rx.copy_(x)
+    w = torch.ones(4, requires_grad=True)  # so that the frame's output requires grad
+    tuc.checkpoint(lambda x, w: parallel_apply([Scale(flip=True)], [x], mode=mode)[0] * w,
+                   x, w, use_reentrant=True).sum().backward()
+    tuc.checkpoint(lambda x, w: Scale(flip=True)(x) * w, rx, w, use_reentrant=True).sum().backward()
+    assert x.requires_grad == rx.requires_grad
+
+
+@pytest.mark.xfail(strict=True, reason="D7e: requires_grad_() inside an expert called under "
+                   "no_grad / inference_mode does not reach the caller's tensor")
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_under_no_grad(mode: str, grad_mode: str) -> None:
+    """oracle: grad_mode:no_grad + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=35"""
+    x = torch.randn(3, 4)
+    with getattr(torch, grad_mode)():
+        parallel_apply([Scale(flip=True)], [x], mode=mode)
+    assert x.requires_grad
+
+
+class BatchNormExpert(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.bn(x)
+
+
+@pytest.mark.xfail(strict=True, reason="D14: a non-reentrant checkpoint frame around "
+                   "checkpoint=True calls that update buffers: running stats differ")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_frame_around_checkpointed_batchnorm(mode: str) -> None:
+    """oracle: frame:ckpt_nonreentrant + checkpoint + stage:bn; pytest tests/oracle --fuzz-seed=0 --fuzz-case=963"""
+    (mod,), (ref,) = twins(BatchNormExpert)
+    x = torch.randn(3, 4, requires_grad=True)
+    tuc.checkpoint(lambda x: parallel_apply([mod], [x], checkpoint=True, mode=mode)[0], x,
+                   use_reentrant=False).sum().backward()
+    tuc.checkpoint(ref, x, use_reentrant=False).sum().backward()
+    assert bits_equal(mod.bn.running_mean, ref.bn.running_mean)
+    assert bits_equal(mod.bn.num_batches_tracked, ref.bn.num_batches_tracked)
+
+
+class DoublesInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.mul_(2)  # in place on the caller's (non-leaf) tensor
+        return x * self.w
+
+
+@pytest.mark.parametrize("checkpoint", [
+    pytest.param(False, marks=pytest.mark.xfail(
+        strict=True, reason="D15: an expert's in-place op on its non-leaf input raises 'a leaf "
+        "Variable that requires grad is being used in an in-place operation'")),
+    True,
+])
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_expert_in_place_on_its_input(mode: str, checkpoint: bool) -> None:
+    """oracle: stage:input_inplace + x:nonleaf; pytest tests/oracle --fuzz-seed=0 --fuzz-case=640"""
+    root = torch.randn(3, 4, requires_grad=True)
+    x = root * 1.5
+    parallel_apply([DoublesInput()], [x], checkpoint=checkpoint, mode=mode)
+    rx = root * 1.5
+    DoublesInput()(rx)
+    assert bits_equal(x, rx)
+
+
+class PassThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        ctx.save_for_backward(w)
+        return x, x * w
+
+    @staticmethod
+    def backward(ctx: Any, gx: Tensor, gy: Tensor) -> Any:  # type: ignore[override]
+        (w,) = ctx.saved_tensors
+        return gx + gy * w, None
+
+
+@pytest.mark.xfail(strict=True, reason="D16: a Function returning its input: the map's output "
+                   "is not a view of the caller's tensor")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_map_function_returning_its_input_is_a_view(mode: str) -> None:
+    """oracle: fn:FPassThrough; pytest tests/oracle --fuzz-seed=0 --fuzz-case=170"""
+    from moe_autograd import map_with_parallel_backward
+    x, w = torch.randn(3, 4, requires_grad=True), torch.ones(4)
+    (out, _), = map_with_parallel_backward(PassThrough, (x, w), mode=mode)
+    ref, _ = PassThrough.apply(x, w)
+    assert (out._base is x) == (ref._base is x)
+
+
+@pytest.mark.xfail(strict=True, reason="D16: a Function returning its input under no_grad: the "
+                   "map's output requires grad (Function.apply's does not)")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_map_function_returning_its_input_under_no_grad(mode: str) -> None:
+    """oracle: fn:FPassThrough + grad_mode:no_grad; pytest tests/oracle --fuzz-seed=0 --fuzz-case=961"""
+    from moe_autograd import map_with_parallel_backward
+    x, w = torch.randn(3, 4, requires_grad=True), torch.ones(4)
+    with torch.no_grad():
+        (out, _), = map_with_parallel_backward(PassThrough, (x, w), mode=mode)
+        ref, _ = PassThrough.apply(x, w)
+    assert out.requires_grad == ref.requires_grad
+
+
+class WithIndex(torch.autograd.Function):
+    """A float output and an integer one; backward records what it got."""
+
+    seen: List[Tuple[bool, bool]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tuple[Tensor, Tensor]:  # type: ignore[override]
+        return x * 2, x.argmax(-1)
+
+    @staticmethod
+    def backward(ctx: Any, gy: Tensor, gi: Any) -> Tensor:  # type: ignore[override]
+        WithIndex.seen.append((gy is None, gi is None))
+        return gy * 2
+
+
+@pytest.mark.xfail(strict=True, reason="D17: backward gets None for an integer output where "
+                   "Function.apply materializes zeros")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_map_function_integer_output_gradient(mode: str) -> None:
+    """oracle: fn:FNonDiff; pytest tests/oracle --fuzz-seed=0 --fuzz-case=105"""
+    from moe_autograd import map_with_parallel_backward
+    x = torch.randn(3, 4, requires_grad=True)
+    WithIndex.seen.clear()
+    WithIndex.apply(x)[0].sum().backward()
+    (y, _), = map_with_parallel_backward(WithIndex, (x,), mode=mode)
+    y.sum().backward()
+    assert WithIndex.seen[0] == WithIndex.seen[1]
+
+
+class SavesInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+@pytest.mark.xfail(strict=True, reason="D18: map_with_parallel_backward does not check the "
+                   "version of a saved input modified in place after the call")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_map_saved_input_modified_in_place(mode: str) -> None:
+    """oracle: entry:map + post:in_add_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=598"""
+    from moe_autograd import map_with_parallel_backward
+    x, w = torch.randn(3, 4, requires_grad=True), torch.ones(4, requires_grad=True)
+    (y,), = map_with_parallel_backward(SavesInput, (x, w), mode=mode)
+    with torch.no_grad():
+        x.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+class CountsBackward(torch.autograd.Function):
+    calls: List[int] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x, w)
+        return x * w
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
+        CountsBackward.calls.append(1)
+        x, w = ctx.saved_tensors
+        return g * w, (g * x).sum(0)
+
+
+@pytest.mark.xfail(strict=True, reason="D9: backward(inputs=...) runs the backward of map calls "
+                   "that the loop's backward never reaches")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_map_backward_inputs_prunes_calls(mode: str) -> None:
+    """oracle: entry:map + grad_method:backward_inputs; pytest tests/oracle --fuzz-seed=0 --fuzz-case=210"""
+    from moe_autograd import map_with_parallel_backward
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    ws = [torch.ones(4, requires_grad=True) for _ in range(2)]
+    CountsBackward.calls.clear()
+    ys = [CountsBackward.apply(x, w) for x, w in zip(xs, ws)]
+    (ys[0].sum() + ys[1].sum()).backward(inputs=[ws[0]])
+    want = len(CountsBackward.calls)
+    CountsBackward.calls.clear()
+    ys = [y for (y,) in map_with_parallel_backward(CountsBackward, *zip(xs, ws), mode=mode)]
+    (ys[0].sum() + ys[1].sum()).backward(inputs=[ws[0]])
+    assert len(CountsBackward.calls) == want == 1
+
+
+class SeesItsInput(nn.Module):
+    """Records what the expert sees of its input and of grad mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+        self.seen: List[Tuple[bool, bool]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen.append((x.is_leaf, torch.is_grad_enabled()))
+        return x * self.w
+
+
+@pytest.mark.xfail(strict=True, reason="D19a: checkpoint=True runs the expert's forward with "
+                   "grad disabled; the loop's expert sees grad enabled")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_expert_sees_grad_enabled(mode: str) -> None:
+    """oracle: checkpoint + stage:introspect; pytest tests/oracle --fuzz-seed=0 --fuzz-case=31"""
+    mod = SeesItsInput()
+    parallel_apply([mod], [torch.randn(3, 4, requires_grad=True)], checkpoint=True, mode=mode)
+    assert mod.seen[0] == (True, True)
+
+
+@pytest.mark.xfail(strict=True, reason="D19b: the expert sees a non-leaf input as a leaf")
+@pytest.mark.parametrize("grad_mode", ["enable_grad", "no_grad"])
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_expert_sees_non_leaf_input_as_non_leaf(mode: str, grad_mode: str) -> None:
+    """oracle: stage:introspect + x:nonleaf; pytest tests/oracle --fuzz-seed=0 --fuzz-case=152"""
+    mod = SeesItsInput()
+    x = torch.randn(3, 4, requires_grad=True) * 2
+    with getattr(torch, grad_mode)():
+        parallel_apply([mod], [x], mode=mode)
+    assert mod.seen[0][0] is False
+
+
+class IgnoresWeight(nn.Module):
+    """Has a parameter its output does not depend on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * 2
+
+
+@pytest.mark.xfail(strict=True, reason="D20: checkpoint=True: hooks of a parameter the output "
+                   "does not depend on fire (with None)")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_unused_parameter_hooks_do_not_fire(mode: str) -> None:
+    """oracle: checkpoint + output:identity + hook:param / hook:post_acc;
+    pytest tests/oracle --fuzz-seed=1 --fuzz-case=425"""
+    mod = IgnoresWeight()
+    fired: List[Any] = []
+    mod.w.register_hook(fired.append)
+    mod.w.register_post_accumulate_grad_hook(fired.append)
+    x = torch.randn(3, 4, requires_grad=True)
+    parallel_apply([mod], [x], checkpoint=True, mode=mode)[0].sum().backward()
+    assert fired == [] and mod.w.grad is None
+
+
+@pytest.mark.xfail(strict=True, reason="D21: under autocast, an expert's error in backward does "
+                   "not name the call")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_backward_error_under_autocast_names_the_call(mode: str) -> None:
+    """oracle: frame:autocast + raise:backward; pytest tests/oracle --fuzz-seed=1 --fuzz-case=467"""
+    x = torch.randn(3, 4, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = parallel_apply([RaisesInBackward()], [x], mode=mode)[0]
+    with pytest.raises(ValueError) as info:
+        y.float().sum().backward()
+    assert "call 0 of 1" in str(info.value) + "".join(getattr(info.value, "__notes__", ()))
+
+
+@pytest.mark.xfail(strict=True, reason="D22: checkpoint=True: an output modified in place after "
+                   "the call, which the call's backward needs, goes unnoticed (the loop raises)")
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_output_modified_in_place(mode: str) -> None:
+    """oracle: checkpoint + output:aux + post:out_mul_; pytest tests/oracle --fuzz-seed=1 --fuzz-case=445"""
+    (mod,), _ = twins(TwoOutputs)
+    x = torch.randn(3, 4, requires_grad=True)
+    h, _ = parallel_apply([mod], [x], checkpoint=True, mode=mode)[0]
+    h.mul_(2)  # self.aux = (h ** 2).mean() needs h as it was
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (h.sum() + mod.aux).backward()
+
+
+class EmbedThenLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(6, 4, sparse=True)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor, idx: Tensor) -> Tensor:
+        return self.fc(x + self.emb(idx))
+
+
+@pytest.mark.xfail(strict=True, reason="D24: a sparse embedding gradient shares memory with the "
+                   "input's .grad: the next accumulation into x.grad changes emb.weight.grad")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_sparse_gradient_does_not_alias_input_gradient(mode: str) -> None:
+    """oracle: stage:embedding + a Linear after it + iterations>1;
+    pytest tests/oracle --fuzz-seed=7 --fuzz-case=1274"""
+    (mod,), (ref,) = twins(EmbedThenLinear)
+    x = torch.randn(3, 4, requires_grad=True)
+    rx = x.detach().clone().requires_grad_()
+    idx = torch.tensor([1, 2, 1])
+    for _ in range(2):
+        parallel_apply([mod], [(x, idx)], mode=mode)[0].sum().backward()
+        ref(rx, idx).sum().backward()
+        assert bits_equal(mod.emb.weight.grad.to_dense(), ref.emb.weight.grad.to_dense())
