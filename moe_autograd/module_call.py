@@ -145,7 +145,8 @@ _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.
 def _holds_tensor(value: Any, depth: int = 3) -> bool:
     fields = getattr(value, "__dict__", None)
     if depth and isinstance(fields, dict):
-        return any(isinstance(v, Tensor) or (not isinstance(v, _PLAIN) and _holds_tensor(v, depth - 1))
+        return any(isinstance(v, Tensor)
+                   or (not isinstance(v, _PLAIN) and _holds_tensor(v, depth - 1))
                    for v in tree_flatten(list(fields.values()))[0])
     return False
 
@@ -216,7 +217,9 @@ class ModuleCall(IsolatedCall):
         self.checkpoint = checkpoint and torch.is_grad_enabled()
         self.check_finite_grads = check_finite_grads
         leaves, self._in_spec = tree_flatten((args, kwargs))
-        #: The caller's own arguments, for outputs that are inputs (see rebuild).
+        #: The caller's own arguments, for outputs that are inputs; dropped by
+        #: :meth:`rebuild`, which runs once per call (even after release: a
+        #: node with no outputs is freed at once).
         self._originals: Optional[List[Any]] = leaves
         #: How the result's tensors are rebuilt (None: each is a root, in order).
         self._layout: Optional[List[Tuple[str, int]]] = None
@@ -224,7 +227,6 @@ class ModuleCall(IsolatedCall):
         self._tensors: Optional[List[Tensor]] = None
         self._visible = 0
         self._in_backward = 0  # its own backward runs (see _guard_leaves)
-        self._rebuilt = False
         #: Versions of a checkpointed call's tensor inputs at its forward.
         self._versions: List[int] = []
         self._module_state: Optional[ModuleState] = None
@@ -259,7 +261,7 @@ class ModuleCall(IsolatedCall):
         state = ModuleState(module, self.checkpoint) if isinstance(module, nn.Module) else None
         if self.checkpoint:
             assert self._leaves is not None
-            self._versions = [v._version for v in self._leaves if isinstance(v, Tensor)]
+            self._versions = self._input_versions()
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
         else:
@@ -346,6 +348,12 @@ class ModuleCall(IsolatedCall):
             roots.append(base)
         return roots
 
+    def _input_versions(self) -> List[int]:
+        """The version counters of the call's tensor inputs (its leaves share
+        the caller's tensors' counters)."""
+        assert self._leaves is not None
+        return [v._version for v in self._leaves if isinstance(v, Tensor)]
+
     def _declared_params(self) -> List[Tensor]:
         if not isinstance(self.module, nn.Module):
             return []
@@ -397,7 +405,6 @@ class ModuleCall(IsolatedCall):
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
         """The call's result with ``outer_outputs`` (the node's, one per root)
         in place of its tensors (see :meth:`_plan_outputs`)."""
-        self._rebuilt = True
         if self._layout is None:
             self._originals = None
             it = iter(outer_outputs)
@@ -435,8 +442,7 @@ class ModuleCall(IsolatedCall):
         rng = self.rng
         # A forward that drew no random number replays without the RNG routing:
         # the same ops draw nothing again.
-        assert self._leaves is not None
-        if [v._version for v in self._leaves if isinstance(v, Tensor)] != self._versions:
+        if self._input_versions() != self._versions:
             raise RuntimeError(
                 f"{self.name}: an input of the checkpointed call was modified in place after the "
                 "call; its recomputation would see other values (as a tensor autograd saved "
@@ -527,8 +533,6 @@ class ModuleCall(IsolatedCall):
         # Recompute node reference it): drop the caller's tensors too.
         self.inputs = []
         self.params = []
-        if self._rebuilt:  # else rebuild still needs them (a node with no outputs
-            self._originals = self._tensors = None  # is freed before it)
         self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None

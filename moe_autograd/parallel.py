@@ -35,7 +35,7 @@ from .module_call import Expert, ModuleCall, call_inline
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
 from .rng import CallRng
-from .tls import bind, capture
+from .tls import autocast_enabled, bind, capture
 from .transforms import check_parallel_mode, functorch_active, opaque_to_dynamo, sequential_mode
 
 __all__ = ["parallel_apply", "recompute_early", "start_calls", "finish_calls", "ModuleCall"]
@@ -148,7 +148,7 @@ def _autocast_shares_casts(modules: Sequence[Expert]) -> bool:
     the loop as here, and the calls fan out."""
     if not torch.is_grad_enabled() or not torch.is_autocast_cache_enabled():
         return False
-    if not any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+    if not autocast_enabled():
         return False
     return any(p.requires_grad for m in modules if isinstance(m, nn.Module)
                for p in m.parameters())
@@ -160,7 +160,10 @@ def _in_call_order(calls: Sequence[ModuleCall], tasks: List[Callable[[], ModuleC
     run one after another in call order, by the task of the first of them
     (the others' tasks only return their record): the module's state (its
     buffers, the attributes its forward sets) evolves as in the loop. Calls a
-    collector starts (remote experts) keep their own order."""
+    collector starts (remote experts) keep their own order. For
+    ``parallel_apply`` only: :func:`start_calls`' callers (the MoE layer's
+    quorum) read each call's completion, which a chained call would report
+    before it ran."""
     chains: Dict[int, List[int]] = {}
     for i, call in enumerate(calls):
         if isinstance(call.module, nn.Module) and call.collector is None:

@@ -27,9 +27,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from .saved import CallSaves
 
-__all__ = ["CallerState", "capture", "bind"]
+__all__ = ["CallerState", "capture", "bind", "autocast_enabled"]
 
 _AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def autocast_enabled() -> bool:
+    """Whether autocast is on in this thread, for any device."""
+    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
 
 
 def capture() -> Optional["CallerState"]:

@@ -366,6 +366,12 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
     queue = ctx.Queue()
     processes.append(ctx.Process(target=_client_main, args=(port, quick, servers, queue),
                                  name="bench-client", daemon=True))
+    return _run_world(processes, queue, "bench.remote")
+
+
+def _run_world(processes: List[Any], queue: Any, what: str) -> Any:
+    """Starts the servers and, last, the client; returns what the client put
+    on ``queue``; stops them all, the client first (it ends the world)."""
     started: List[Any] = []
     try:
         for process in processes:
@@ -373,9 +379,9 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
             started.append(process)
         status, value = _result(queue, processes[-1], timeout=120.0)
     finally:
-        stop_processes(started[::-1], timeout=15.0)  # the client first: it ends the world
+        stop_processes(started[::-1], timeout=15.0)
     if status != "ok":
-        raise RuntimeError(f"bench.remote failed in the client process: {value}")
+        raise RuntimeError(f"{what} failed in the client process: {value}")
     return value
 
 
@@ -505,17 +511,7 @@ def run_straggler() -> Dict[str, Dict[str, float]]:
                              args=(port, 1, 2, server, f"{__name__}:_straggler_setup")),
                  ctx.Process(target=_straggler_client, args=(port, server, queue),
                              name="straggler-client", daemon=True)]
-    started: List[Any] = []
-    try:
-        for process in processes:
-            process.start()
-            started.append(process)
-        status, value = _result(queue, processes[-1], timeout=120.0)
-    finally:
-        stop_processes(started[::-1], timeout=15.0)
-    if status != "ok":
-        raise RuntimeError(f"bench.remote straggler failed in the client process: {value}")
-    return value
+    return _run_world(processes, queue, "bench.remote straggler")
 
 
 def format_straggler(result: Dict[str, Dict[str, float]]) -> str:

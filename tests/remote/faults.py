@@ -407,16 +407,21 @@ class _Replay(nn.Module):
         return _FailBackward.apply(out) if self.constant else out
 
 
+def _loss(first: Any, second: Any, x: Tensor) -> Tensor:
+    """The step's loss: two stacked MoE layers, residual, with their aux losses."""
+    y1, aux1 = first(x)
+    h = x + y1
+    y2, aux2 = second(h)
+    return (h + y2).square().mean() + 0.01 * (aux1 + aux2)
+
+
 def _run(first: Any, second: Any, x: Tensor) -> Dict[str, Any]:
     """One training step; what it raised (and where), or its loss and gradients."""
     from moe_autograd.moe import NotEnoughExperts
 
     outcome: Dict[str, Any] = {"raised": None}
     try:
-        y1, aux1 = first(x)
-        h = x + y1
-        y2, aux2 = second(h)
-        loss = (h + y2).square().mean() + 0.01 * (aux1 + aux2)
+        loss = _loss(first, second, x)
     except NotEnoughExperts as error:
         outcome["raised"] = ("forward", type(error).__name__, str(error)[:300])
         return outcome
@@ -603,10 +608,7 @@ class _Trainer:
         served_by: Dict[str, Optional[str]] = {}
         try:
             try:
-                y1, aux1 = first(x)
-                h = x + y1
-                y2, aux2 = second(h)
-                loss = (h + y2).square().mean() + 0.01 * (aux1 + aux2)
+                loss = _loss(first, second, x)
             except NotEnoughExperts as error:
                 outcome["raised"] = ("forward", type(error).__name__, str(error)[:300])
             for timer in timers:
