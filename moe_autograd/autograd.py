@@ -19,7 +19,7 @@ a loop (see :mod:`moe_autograd.transforms`).
 """
 import inspect
 from contextlib import nullcontext
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Type
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from torch.autograd.function import _is_setup_context_defined  # type: ignore[at
 
 from .collect import function_collector, run_applies
 from .executor import run_all
-from .node import Grads, IsolatedCall, attach
+from .node import Grads, IsolatedCall, attach, replayable_view
 from .policy import INLINE, LANES, Decision, Measure, choose
 from .rng import CallRng
 from .tls import bind, capture
@@ -48,6 +48,8 @@ class EmulatedAutogradContext:
         self.needs_input_grad = needs_input_grad
         self.materialize_grads = True
         self.to_save: Tuple[Any, ...] = ()
+        #: Versions of ``to_save`` when the forward returned (no hooks in force).
+        self._versions: Optional[List[int]] = None
         self._unpack: Optional[Callable[[Any], Tensor]] = None
         self.non_differentiable: Tuple[Tensor, ...] = ()
         self.dirty_tensors: Tuple[Tensor, ...] = ()
@@ -64,10 +66,33 @@ class EmulatedAutogradContext:
     def save_for_forward(self, *tensors: Optional[Tensor]) -> None:
         self.saved_for_forward = tensors
 
+    def _seal(self) -> None:
+        """Records the versions of the tensors saved without hooks, once the
+        forward has returned: autograd's saved variables do the same, and
+        refuse to unpack a tensor modified in place since."""
+        if self._unpack is None and self.to_save:
+            # ``apply`` bumps the version of every dirty tensor once more
+            # after the forward (an in-place op outside torch, numpy's, say,
+            # bumps nothing); so do the node and the map (see ``_map``).
+            dirty = {id(t) for t in self.dirty_tensors}
+            self._versions = [
+                -1 if t is None else t._version + (
+                    id(t) in dirty or (t._base is not None and id(t._base) in dirty))
+                for t in self.to_save]
+
     @property
     def saved_tensors(self) -> Tuple[Optional[Tensor], ...]:
         unpack = self._unpack
         if unpack is None:
+            versions = self._versions
+            if versions is not None:
+                for k, (t, v) in enumerate(zip(self.to_save, versions)):
+                    if t is not None and t._version != v:
+                        raise RuntimeError(
+                            "one of the variables needed for gradient computation has been "
+                            f"modified by an inplace operation: saved tensor {k} "
+                            f"[{t.type()} {list(t.shape)}] is at version {t._version}; "
+                            f"expected version {v} instead")
             return tuple(self.to_save)
         return tuple(None if p is None else unpack(p) for p in self.to_save)
 
@@ -138,6 +163,7 @@ def run_isolated_forward(func: FunctionType, *args: Any) -> Tuple[EmulatedAutogr
     finally:
         torch._C._set_grad_enabled(grad_was_enabled)
     ctx._inputs = detached  # type: ignore[attr-defined]
+    ctx._seal()
     return ctx, outputs
 
 
@@ -176,20 +202,50 @@ class _FunctionCall(IsolatedCall):
         self.ctx: Optional[EmulatedAutogradContext] = ctx
         self.materialize_grads = ctx.materialize_grads
         self.non_differentiable = ctx.non_differentiable
+        detached = ctx._inputs  # type: ignore[attr-defined]
+        input_at = {id(detached[k]): n for n, k in enumerate(self.tensor_positions)}
         if ctx.dirty_tensors:
-            detached = ctx._inputs  # type: ignore[attr-defined]
-            input_at = {id(detached[k]): n for n, k in enumerate(self.tensor_positions)}
             output_at = {id(o): n for n, o in enumerate(self.outputs)}
             self.dirty = [(output_at[id(t)], input_at[id(t)]) for t in ctx.dirty_tensors
                           if id(t) in output_at and id(t) in input_at]
+        self.aliases = _aliases(self.outputs, input_at, {n for n, _ in self.dirty})
+        self.output_meta = [(o.shape, o.dtype, o.device) for o in self.outputs]
 
     def _name(self) -> str:
         return f"{self.func.__name__} (call {self.index} of {self.count})"
+
+    def outer_outputs(self, caller_inputs: Sequence[Tensor]) -> List[Tensor]:
+        """The outputs as ``apply`` returns them where no node is made (no
+        grad mode, or no input requires grad): an input returned (as is, or
+        modified in place) is the caller's tensor, its detached alias if it
+        requires grad; a view of an input is that view of the caller's
+        tensor."""
+        outputs = list(self.outputs)
+        for k, j in self.dirty:
+            x = caller_inputs[j]
+            torch.autograd.graph.increment_version(x)  # as apply's mark_dirty
+            outputs[k] = x.detach() if x.requires_grad else x
+        for k, j, view in self.aliases:
+            x = caller_inputs[j]
+            if view is not None:
+                with torch.no_grad():
+                    outputs[k] = view._view_func(x)  # type: ignore[attr-defined]
+            elif x.requires_grad:
+                outputs[k] = x.detach()
+            else:
+                with torch.no_grad():
+                    outputs[k] = x.view_as(x)
+        return outputs
 
     def backward(self, grad_outputs: Grads) -> Tuple[Optional[Tensor], ...]:
         ctx = self.ctx
         if ctx is None:
             raise RuntimeError(f"{self._name()}: backward after its state was freed")
+        if self.materialize_grads and any(g is None for g in grad_outputs):
+            # As apply: zeros for every output without a gradient, integer ones too.
+            grad_outputs = [
+                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(grad_outputs, self.output_meta)]
         if len(self.output_positions) == len(self.results):
             return run_isolated_backward(self.func, ctx, *grad_outputs)
         grads_by_output: List[Optional[Tensor]] = [None] * len(self.results)
@@ -215,6 +271,22 @@ class _FunctionCall(IsolatedCall):
 
     def release(self) -> None:
         self.ctx = None
+
+
+def _aliases(outputs: Sequence[Tensor], input_at: Dict[int, int], dirty: Set[int]
+             ) -> List[Tuple[int, int, Optional[Tensor]]]:
+    """``(output position, input position, view or None)`` for each output
+    that is one of the (detached) inputs as is, or a view of one made by view
+    ops alone (see :attr:`moe_autograd.node.IsolatedCall.aliases`)."""
+    aliases: List[Tuple[int, int, Optional[Tensor]]] = []
+    for k, out in enumerate(outputs):
+        if k in dirty:
+            continue
+        if id(out) in input_at:
+            aliases.append((k, input_at[id(out)], None))
+        elif replayable_view(out) and id(out._base) in input_at:
+            aliases.append((k, input_at[id(out._base)], out))
+    return aliases
 
 
 def _as_tuple(value: Any) -> Tuple[Any, ...]:
@@ -298,7 +370,12 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
     for call, s in zip(calls, saves):
         call.saves = s
         call.collector = collector
-    attached = attach(calls, name=func.__name__, lanes=lanes)
+    made_node = torch.is_grad_enabled() and any(call.needs_grad for call in calls)
+    attached = attach(calls, name=func.__name__, lanes=lanes, function=func)
+    if not made_node:
+        attached = [call.outer_outputs([args[i][k] for k in call.tensor_positions])
+                    if call.dirty or call.aliases else outs
+                    for i, (call, outs) in enumerate(zip(calls, attached))]
     results = []
     for call, outs in zip(calls, attached):
         values = list(call.results)

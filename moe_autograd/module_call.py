@@ -48,7 +48,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
-from .node import Grads, IsolatedCall
+from .node import Grads, IsolatedCall, replayable_view
 from .module_state import ModuleState
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
@@ -81,18 +81,6 @@ def _next_sequence_nr() -> Optional[int]:
     with torch.enable_grad():
         node = _PROBE.view(0).grad_fn
     return None if node is None else int(node._sequence_nr()) + 1
-
-
-_CreationMeta = torch._C._autograd.CreationMeta
-_REPLAYABLE = (_CreationMeta.DEFAULT, _CreationMeta.NO_GRAD_MODE)
-
-
-def _replayable_view(t: Tensor) -> bool:
-    """Whether ``t`` is a view that its base's view ops alone made (not the
-    output of a custom Function, which its node must see, nor of a
-    multi-output view op such as ``unbind``), so that replaying those ops on
-    another base gives what the loop gives."""
-    return t._is_view() and torch._C._autograd._get_creation_meta(t) in _REPLAYABLE
 
 
 class ForeignGraphError(RuntimeError):
@@ -314,7 +302,7 @@ class ModuleCall(IsolatedCall):
             return found
 
         for k, t in enumerate(tensors):
-            base = t._base if _replayable_view(t) else None
+            base = t._base if replayable_view(t) else None
             if id(t) in known or base is None:
                 layout.append(source(t, k, False))
             else:

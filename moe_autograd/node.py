@@ -70,6 +70,13 @@ class IsolatedCall:
     non_differentiable: Sequence[Tensor] = ()
     #: Maps an output position to the input position it modified in place.
     dirty: Sequence[Tuple[int, int]] = ()
+    #: Outputs that alias an input without modifying it: ``(output position,
+    #: input position, view)``, where ``view`` is the call's own output, a
+    #: view of that input whose view ops the node replays on the node's input,
+    #: or None for the input returned as is. The node returns them as views
+    #: of its inputs, so that autograd's rules for a custom Function's views
+    #: (in-place refused) apply as to the call alone.
+    aliases: Sequence[Tuple[int, int, Optional[Tensor]]] = ()
     #: When False, ``None`` output gradients are passed on as None.
     materialize_grads = True
     #: What the call saved for backward through the caller's saved-tensor
@@ -157,6 +164,18 @@ class _Plan:
                 call.saves.release()
 
 
+_CreationMeta = torch._C._autograd.CreationMeta
+_REPLAYABLE = (_CreationMeta.DEFAULT, _CreationMeta.NO_GRAD_MODE)
+
+
+def replayable_view(t: Tensor) -> bool:
+    """Whether ``t`` is a view that its base's view ops alone made (not the
+    output of a custom Function, which its node must see, nor of a
+    multi-output view op such as ``unbind``), so that replaying those ops on
+    another base (``t._view_func(base)``) gives what the loop gives."""
+    return t._is_view() and torch._C._autograd._get_creation_meta(t) in _REPLAYABLE
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -194,15 +213,20 @@ class _ParallelNode(torch.autograd.Function):
         dirty: List[Tensor] = []
         assert plan.calls is not None
         for call, constant, offset in zip(plan.calls, plan.constant, plan.input_offsets):
-            if not (constant or call.dirty or call.non_differentiable):
+            if not (constant or call.dirty or call.non_differentiable or call.aliases):
                 outputs.extend([out.detach() for out in call.outputs])
                 continue
             dirty_at = dict(call.dirty)
+            alias_at = {k: (j, view) for k, j, view in call.aliases}
             nondiff = {id(t) for t in call.non_differentiable}
             for k, out in enumerate(call.outputs):
                 if k in dirty_at:
                     result = inputs[offset + dirty_at[k]]
                     dirty.append(result)
+                elif k in alias_at:
+                    j, view = alias_at[k]
+                    base = inputs[offset + j]
+                    result = base if view is None else view._view_func(base)  # type: ignore[attr-defined]
                 else:
                     result = out.detach()
                 if constant or id(out) in nondiff:
@@ -253,7 +277,15 @@ class _ParallelNode(torch.autograd.Function):
                         grads[k] = torch.zeros(shape, dtype=dtype, device=device)
             per_call.append(grads)
         input_grads = _run_backwards(plan, calls, per_call)
-        return (None, None, *[g for grads in reversed(input_grads) for g in grads])
+        flat = [g for grads in reversed(input_grads) for g in grads]
+        for k, g in enumerate(flat):
+            if g is not None and g.is_sparse:
+                # A sparse gradient's values may be another gradient's memory
+                # (embedding's backward keeps its incoming gradient): the
+                # engine would then steal one into a .grad that the other's
+                # accumulation changes. A loop's AccumulateGrad copies there.
+                flat[k] = g.clone()
+        return (None, None, *flat)
 
 
 def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
@@ -428,10 +460,27 @@ def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optio
             results[i] = group.results[j]  # type: ignore[assignment]
 
 
+_named_nodes: Dict[type, type] = {}
+
+
+def _node_named_as(function: Optional[type]) -> Any:
+    """``_ParallelNode``, or a subclass named as ``function``, so that the
+    outputs' ``grad_fn`` and autograd's own errors about them ("Output 0 of
+    MyFunction is a view ...") name the Function a map runs, as ``apply``'s."""
+    if function is None:
+        return _ParallelNode
+    node = _named_nodes.get(function)
+    if node is None:
+        node = _named_nodes[function] = type(function.__name__, (_ParallelNode,), {
+            "__module__": __name__, "__qualname__": function.__qualname__})
+    return node
+
+
 def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
            name: str = "parallel call",
            phony_device: Optional[torch.device] = None,
-           lanes: Optional[int] = None) -> List[List[Tensor]]:
+           lanes: Optional[int] = None,
+           function: Optional[type] = None) -> List[List[Tensor]]:
     """Hangs the calls' outputs off one ``_ParallelNode``; returns each call's
     outputs as tensors of the caller's graph.
 
@@ -439,7 +488,8 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     returned as they are. Calls' saved tensors are packed by the caller's
     hooks here, in call order. A phony input that requires grad keeps the node
     in the graph (PyTorch's own ``Function.apply`` drops a node none of whose
-    inputs requires grad).
+    inputs requires grad). ``function``: the autograd Function the calls run,
+    whose name the node takes.
     """
     if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
         for call in calls:
@@ -456,7 +506,7 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     # saved-tensor hooks (offloading, say) from copying it, which would free the
     # calls before backward.
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        flat = _ParallelNode.apply(plan, phony, *flat_inputs)
+        flat = _node_named_as(function).apply(plan, phony, *flat_inputs)
     result: List[List[Tensor]] = []
     offset = 0
     for meta in plan.output_meta:

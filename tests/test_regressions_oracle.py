@@ -523,8 +523,6 @@ class PassThrough(torch.autograd.Function):
         return gx + gy * w, None
 
 
-@pytest.mark.xfail(strict=True, reason="D16: a Function returning its input: the map's output "
-                   "is not a view of the caller's tensor")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_map_function_returning_its_input_is_a_view(mode: str) -> None:
     """oracle: fn:FPassThrough; pytest tests/oracle --fuzz-seed=0 --fuzz-case=170"""
@@ -535,8 +533,6 @@ def test_map_function_returning_its_input_is_a_view(mode: str) -> None:
     assert (out._base is x) == (ref._base is x)
 
 
-@pytest.mark.xfail(strict=True, reason="D16: a Function returning its input under no_grad: the "
-                   "map's output requires grad (Function.apply's does not)")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_map_function_returning_its_input_under_no_grad(mode: str) -> None:
     """oracle: fn:FPassThrough + grad_mode:no_grad; pytest tests/oracle --fuzz-seed=0 --fuzz-case=961"""
@@ -563,8 +559,6 @@ class WithIndex(torch.autograd.Function):
         return gy * 2
 
 
-@pytest.mark.xfail(strict=True, reason="D17: backward gets None for an integer output where "
-                   "Function.apply materializes zeros")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_map_function_integer_output_gradient(mode: str) -> None:
     """oracle: fn:FNonDiff; pytest tests/oracle --fuzz-seed=0 --fuzz-case=105"""
@@ -589,8 +583,6 @@ class SavesInput(torch.autograd.Function):
         return g * w, (g * x).sum(0)
 
 
-@pytest.mark.xfail(strict=True, reason="D18: map_with_parallel_backward does not check the "
-                   "version of a saved input modified in place after the call")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_map_saved_input_modified_in_place(mode: str) -> None:
     """oracle: entry:map + post:in_add_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=598"""
@@ -733,8 +725,6 @@ class EmbedThenLinear(nn.Module):
         return self.fc(x + self.emb(idx))
 
 
-@pytest.mark.xfail(strict=True, reason="D24: a sparse embedding gradient shares memory with the "
-                   "input's .grad: the next accumulation into x.grad changes emb.weight.grad")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_sparse_gradient_does_not_alias_input_gradient(mode: str) -> None:
     """oracle: stage:embedding + a Linear after it + iterations>1;

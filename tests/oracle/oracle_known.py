@@ -161,19 +161,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: any("introspect" in s.stages and s.x_kind == "nonleaf" for s in c.calls),
           ("state", "after_step"),
           witnesses=((0, 152), (0, 204), (0, 269))),
-    Known("D16-function-returning-its-input",
-          "map_with_parallel_backward: a Function returning an input (as is, or dirty) "
-          "gives an output that is not a view of the caller's tensor, and under no_grad / "
-          "inference_mode one that requires grad",
-          lambda c: c.function in ("FPassThrough", "FDirty"),
-          ("relations", "outputs", "post.outputs", "post.versions", "inputs", "grads",
-           "autograd_grad.values", "after_step", "input_versions"),
-          witnesses=((0, 170), (0, 231), (0, 235))),
-    Known("D17-function-integer-output-grad-not-materialized",
-          "map_with_parallel_backward: backward gets None for an integer output where "
-          "Function.apply materializes zeros",
-          lambda c: c.function == "FNonDiff", ("fn_log.backward",),
-          witnesses=((0, 105), (0, 330), (0, 541))),
     Known("D8-inference-view-of-input",
           "inference_mode: an output that is a view of the input is not a view of the "
           "caller's tensor",
@@ -209,13 +196,6 @@ KNOWN_DIVERGENCES: List[Known] = [
               or any({"nested", "requires_grad_"} & set(s.stages) for s in c.calls)),
           ("grads", "autograd_grad.values", "grads2", "after_step"),
           witnesses=((1, 4), (1, 1675), (1, 1719))),
-    Known("D24-sparse-gradient-aliases-input-gradient",
-          "a sparse embedding gradient shares memory with the input's .grad: the next "
-          "accumulation into x.grad changes emb.weight.grad",
-          lambda c: "stage:embedding" in constructs(c)
-          and (c.iterations > 1 or c.second_backward),
-          ("grads", "grads2", "after_step", "autograd_grad.values", "hooks"),
-          witnesses=((7, 1274),)),
     Known("D20-checkpoint-unused-parameter-hooks-fire",
           "checkpoint=True: hooks (register_hook, post-accumulate) of a parameter the call's "
           "output does not depend on fire with None; the loop's do not fire",
@@ -241,14 +221,6 @@ KNOWN_DIVERGENCES: List[Known] = [
               _checkpointed_with(c, st) for st in ("spectral_norm", "bn", "counter")),
           ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs"),
           witnesses=((1, 313), (1, 2457), (7, 541))),
-    Known("D18-function-saved-input-modified-in-place",
-          "map_with_parallel_backward: an input the Function saved, modified in place after "
-          "the call: no version check (the loop raises)",
-          lambda c: c.function is not None and c.function not in ("FDirty", "FRandom")
-          and "post:in_add_" in constructs(c),
-          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
-          ("value", "missing_error"),
-          witnesses=((0, 598), (1, 105), (1, 277))),
 ]
 
 
