@@ -217,6 +217,10 @@ class ModuleCall(IsolatedCall):
         self._in_backward = 0  # its own backward runs (see _guard_leaves)
         #: Versions of a checkpointed call's tensor inputs at its forward.
         self._versions: List[int] = []
+        #: A checkpointed call's outputs (the node's, weakly) and their
+        #: versions when it returned: one modified in place since must not be
+        #: needed by the recomputed graph (see :meth:`_recompute_now`).
+        self._out_versions: List[Tuple["weakref.ref[Tensor]", int]] = []
         self._module_state: Optional[ModuleState] = None
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
         self._leaves: Optional[List[Any]] = [
@@ -393,6 +397,8 @@ class ModuleCall(IsolatedCall):
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
         """The call's result with ``outer_outputs`` (the node's, one per root)
         in place of its tensors (see :meth:`_plan_outputs`)."""
+        if self.checkpoint:
+            self._out_versions = [(weakref.ref(o), o._version) for o in outer_outputs]
         if self._layout is None:
             self._originals = None
             it = iter(outer_outputs)
@@ -443,6 +449,12 @@ class ModuleCall(IsolatedCall):
             attrs = state.attrs() if state is not None else []
         outputs = self._roots_of([v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
                                  + attrs)
+        for k in self._modified_outputs():
+            # The caller modified this output in place since the call: so is
+            # its recomputed twin, for autograd's own check (a node of the
+            # recomputed graph that saved it raises in backward, as the
+            # loop's, and only where the backward runs through that node).
+            torch.autograd.graph.increment_version(outputs[k])
         known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
         # Empty leaves (the phonies that order nodes, a remote call's say)
         # carry no gradient to lose.
@@ -455,6 +467,11 @@ class ModuleCall(IsolatedCall):
                 "closure over a weight); pass them as inputs, or make the expert an "
                 "nn.Module that owns them")
         self._local_outputs = outputs
+
+    def _modified_outputs(self) -> List[int]:
+        """Positions of the outputs modified in place since the call returned."""
+        return [k for k, (ref, version) in enumerate(self._out_versions)
+                if (o := ref()) is not None and o._version != version]
 
     def start_recompute(self) -> None:
         """Queues the recomputation on a worker unless it is queued already."""

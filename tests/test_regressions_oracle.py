@@ -702,8 +702,6 @@ def test_backward_error_under_autocast_names_the_call(mode: str) -> None:
     assert "call 0 of 1" in str(info.value) + "".join(getattr(info.value, "__notes__", ()))
 
 
-@pytest.mark.xfail(strict=True, reason="D22: checkpoint=True: an output modified in place after "
-                   "the call, which the call's backward needs, goes unnoticed (the loop raises)")
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpointed_output_modified_in_place(mode: str) -> None:
     """oracle: checkpoint + output:aux + post:out_mul_; pytest tests/oracle --fuzz-seed=1 --fuzz-case=445"""

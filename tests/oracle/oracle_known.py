@@ -206,14 +206,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           "under autocast, an expert's error in backward does not name the call",
           _all("raise:backward", "frame:autocast"), ("fail.names_call",),
           witnesses=((1, 467), (1, 505), (1, 1788))),
-    Known("D22-checkpoint-output-modified-in-place",
-          "checkpoint=True: an output modified in place after the call, which the call's "
-          "backward needs (self.aux computed from it): the loop raises, the runtime "
-          "recomputes silently",
-          lambda c: _any_checkpointed(c) and "post:out_mul_" in constructs(c),
-          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
-          ("value", "missing_error"),
-          witnesses=((1, 445), (1, 1946))),
     Known("D14-checkpoint-frame-around-checkpointed-stateful-call",
           "a non-reentrant checkpoint frame around checkpoint=True calls whose forward "
           "updates buffers (BatchNorm, spectral_norm): buffers and gradients differ",
