@@ -371,7 +371,21 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
         call.saves = s
         call.collector = collector
     made_node = torch.is_grad_enabled() and any(call.needs_grad for call in calls)
-    attached = attach(calls, name=func.__name__, lanes=lanes, function=func)
+    # A call that modifies a view in place (mark_dirty) gets a node of its
+    # own: autograd lets such a node return only that one tensor, as apply.
+    alone = [i for i, call in enumerate(calls) if any(
+        call.inputs[j]._is_view() for _, j in call.dirty)] if made_node else []
+    if alone and n > 1:
+        together = [i for i in range(n) if i not in alone]
+        attached: List[List[Tensor]] = [[] for _ in calls]
+        if together:
+            for i, outs in zip(together, attach([calls[i] for i in together], name=func.__name__,
+                                                lanes=lanes, function=func)):
+                attached[i] = outs
+        for i in alone:
+            attached[i] = attach([calls[i]], name=func.__name__, function=func)[0]
+    else:
+        attached = attach(calls, name=func.__name__, lanes=lanes, function=func)
     if not made_node:
         attached = [call.outer_outputs([args[i][k] for k in call.tensor_positions])
                     if call.dirty or call.aliases else outs

@@ -142,6 +142,8 @@ class _Plan:
         self.constant = [not call.needs_grad for call in calls]
         #: ``lanes`` for the backward (see :func:`moe_autograd.executor.run_all`).
         self.lanes: Optional[int] = None
+        #: Position in ``[phony, *flat inputs]`` of an input to pass first.
+        self.view_first: Optional[int] = None
         # The node's inputs list the calls last first: the engine then sums the
         # gradient terms of a tensor shared by several calls in the order a
         # loop's backward produces them (later calls first), bit for bit.
@@ -176,6 +178,22 @@ def replayable_view(t: Tensor) -> bool:
     return t._is_view() and torch._C._autograd._get_creation_meta(t) in _REPLAYABLE
 
 
+def _node_order(plan: "_Plan", tensors: List[Any]) -> List[Any]:
+    """``[phony, *flat inputs]`` (or their gradients) in the node's input
+    order: as they are, or with the view the call modifies in place first."""
+    k = plan.view_first
+    return tensors if k is None else [tensors[k], *tensors[:k], *tensors[k + 1:]]
+
+
+def _flat_inputs(plan: "_Plan", tensors: Sequence[Tensor]) -> Sequence[Tensor]:
+    """The flat inputs (without the phony) from the node's inputs."""
+    k = plan.view_first
+    if k is None:
+        return tensors[1:]
+    rest = tensors[1:]  # phony, then the others
+    return [*rest[1:k], tensors[0], *rest[k:]]
+
+
 def _identity(x: Any) -> Any:
     return x
 
@@ -205,7 +223,8 @@ class _NoDoubleBackward(torch.autograd.Function):
 
 class _ParallelNode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, plan: _Plan, phony: Tensor, *inputs: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, plan: _Plan, *tensors: Tensor) -> Tuple[Tensor, ...]:  # type: ignore[override]
+        inputs = _flat_inputs(plan, tensors)
         ctx.plan = plan
         ctx.set_materialize_grads(False)
         outputs: List[Tensor] = []
@@ -285,7 +304,7 @@ class _ParallelNode(torch.autograd.Function):
                 # engine would then steal one into a .grad that the other's
                 # accumulation changes. A loop's AccumulateGrad copies there.
                 flat[k] = g.clone()
-        return (None, None, *flat)
+        return (None, *_node_order(plan, [None, *flat]))
 
 
 def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
@@ -500,13 +519,17 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
             call.saves.replay()
     plan = _Plan(calls, policy, name)
     plan.lanes = lanes
+    if len(calls) == 1 and any(calls[0].inputs[j]._is_view() for _, j in calls[0].dirty):
+        # A view modified in place: autograd's CopySlices sends the view's
+        # gradient through the node's first input, which must be the view.
+        plan.view_first = 1 + next(j for _, j in calls[0].dirty if calls[0].inputs[j]._is_view())
     phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
     flat_inputs = [t for call in reversed(calls) for t in call.inputs]
     # The node saves only its release token. Identity hooks keep the caller's
     # saved-tensor hooks (offloading, say) from copying it, which would free the
     # calls before backward.
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        flat = _node_named_as(function).apply(plan, phony, *flat_inputs)
+        flat = _node_named_as(function).apply(plan, *_node_order(plan, [phony, *flat_inputs]))
     result: List[List[Tensor]] = []
     offset = 0
     for meta in plan.output_meta:

@@ -834,3 +834,52 @@ def test_ctx_released_after_failed_backward(wait_dead):
         sum(o.sum() for o in flat(results)).backward()
     del results
     assert not any(wait_dead(refs))
+
+
+class _DoublesInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g * 2
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_mark_dirty_on_views_of_one_base_equals_apply(mode):
+    """Two calls marking dirty views of one base: each call gets its own
+    node (autograd lets such a node return one tensor), as apply (issue 17)."""
+    base = torch.randn(4, requires_grad=True)
+    grads = []
+    for run in ("apply", "map"):
+        b = base * 1
+        v1, v2 = b[:2], b[2:]
+        if run == "apply":
+            outs = [_DoublesInPlace.apply(v1), _DoublesInPlace.apply(v2)]
+        else:
+            outs = [o for (o,) in map_with_parallel_backward(
+                _DoublesInPlace, (v1,), (v2,), (b * 1,), mode=mode)][:2]
+        assert outs[0] is v1 and outs[1] is v2
+        (outs[0].sum() * 3 + outs[1].sum() + b.sum()).backward()
+        grads.append(base.grad)
+        base.grad = None
+    assert torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_mark_dirty_on_one_view_equals_apply(mode):
+    base = torch.randn(4, requires_grad=True)
+    grads = []
+    for run in ("apply", "map"):
+        b = base * 1
+        v = b[:2]
+        out = _DoublesInPlace.apply(v) if run == "apply" else \
+            map_with_parallel_backward(_DoublesInPlace, (v,), mode=mode)[0][0]
+        assert out is v
+        (out.sum() * 3 + b.sum()).backward()
+        grads.append(base.grad)
+        base.grad = None
+    assert torch.equal(grads[0], grads[1])
