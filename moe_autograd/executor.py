@@ -189,6 +189,17 @@ class TaskGroup(Generic[T]):
                 self._watchers -= watching
         return True
 
+    def wait_for(self, i: int, timeout: Optional[float] = None, *, help: bool = True) -> bool:
+        """Waits until call ``i`` is done; True unless ``timeout`` seconds
+        passed first. With ``help`` the caller runs the group's pending calls
+        inline, in order, until ``i`` has started (here or on a worker)."""
+        if help:
+            while self._state[i] == _PENDING and self._run_next():
+                pass
+        if self.done(i):
+            return True
+        return self.wait(timeout, help=False, until=lambda: self.done(i))
+
     def cancel(self) -> None:
         """Calls that have not started never will; running ones finish alone."""
         while True:

@@ -394,6 +394,10 @@ class ModuleCall(IsolatedCall):
             return bool(self.inputs) or bool(self._declared_params())
         return any(o.requires_grad for o in self.outputs)
 
+    @property
+    def streams(self) -> bool:
+        return bool(self.params)
+
     def rebuild(self, outer_outputs: Sequence[Tensor]) -> Any:
         """The call's result with ``outer_outputs`` (the node's, one per root)
         in place of its tensors (see :meth:`_plan_outputs`)."""
@@ -538,6 +542,7 @@ class ModuleCall(IsolatedCall):
         # Recompute node reference it): drop the caller's tensors too.
         self.inputs = []
         self.params = []
+        self.outputs = []
         self._grad_leaves = []
         self._leaves = None
         self._local_outputs = None

@@ -1,18 +1,41 @@
-"""The one autograd node that runs many calls, forward and backward.
+"""The autograd node that runs many calls, forward and backward.
 
 PyTorch's engine runs the CPU backward of one ``backward()`` on the calling
 thread, node after node. To overlap many expert calls in backward, this module
 hides every call's own graph behind ONE node, ``_ParallelNode``: its forward
 returns the outputs that the calls already computed on workers, and its
-backward hands each call's output gradients to a worker and joins them::
+backward hands each call's output gradients to a worker::
 
     inputs, parameters ──┬─ call 0 (own graph, run on a worker) ─┐
                          ├─ call 1 ─────────────────────────────┤──> _ParallelNode ──> outputs
                          └─ call n-1 ───────────────────────────┘
-    backward: _ParallelNode.backward ─ fan out ─> call i.backward(grads_i) ─ join
-              ──> the engine accumulates every input's and parameter's gradient
+    backward: _ParallelNode.backward ─ fan out ─> call i.backward(grads_i)
 
-A *call record* (:class:`IsolatedCall`) is what the node needs of a call: its
+Parameter gradients *stream*: a call with parameters (a module's) also gets a
+node of its own, ``_CallGradients``, between its tensors and the parallel
+node. The parallel node's backward starts every call and returns at once; the
+engine then runs the calls' nodes, later calls first as a loop's backward
+does, and each waits for its own call and hands its input and parameter
+gradients to the engine, which accumulates them (hooks, DDP's reducer) and
+frees them, with the call's graph, before the next call's arrive::
+
+    inputs, parameters ─┬─ _CallGradients 0 ─┐ token
+                        ├─ ...               ├──> _ParallelNode ──> outputs
+                        └─ _CallGradients n-1┘
+    backward: _ParallelNode: start all ─> _CallGradients n-1: wait call n-1,
+              its gradients to the engine (accumulated, freed) ─> ... ─> 0
+
+Why this design: with one node, the engine could accumulate nothing before
+every call had finished, so a step held every expert's parameter gradients at
+once (hundreds of MB at 64 experts; glibc handed them back to the system after
+every step and faulted them in again: the MoE layer spent several times
+the loop's system time). The calls' nodes give the engine what a loop gives it, one
+call's gradients at a time, in the loop's order, while the calls still run
+concurrently. Calls without parameters (autograd Functions of a map, remote
+calls) keep the one node: they have nothing to stream, and a node per call
+costs a few microseconds.
+
+A *call record* (:class:`IsolatedCall`) is what the nodes need of a call: its
 tensor inputs (the caller's tensors AND the leaves its graph reaches, i.e. the
 expert's parameters), its outputs, and a ``backward`` that runs on a worker.
 Autograd Functions (:func:`map_with_parallel_backward`) and modules
@@ -20,11 +43,12 @@ Autograd Functions (:func:`map_with_parallel_backward`) and modules
 
 Invariants:
 
-* Every tensor a call differentiates into is an input of the node, so the
+* Every tensor a call differentiates into is an input of a node, so the
   engine itself accumulates parameter gradients, exactly as for any other
   leaf: ``torch.autograd.grad`` w.r.t. parameters and ``backward(inputs=...)``
   work, hooks fire once per backward with the summed gradient of a shared
-  parameter, and DDP's reducer sees its parameters become ready. A call whose
+  parameter (the engine sums a call's terms in the loop's order, later calls
+  first), and DDP's reducer sees its parameters become ready. A call whose
   backward fails under a tolerant :class:`BackwardPolicy` simply returns None.
 * A call none of whose outputs received a gradient does not run its backward;
   its inputs get None, as under sequential autograd. Zeros are materialized
@@ -36,14 +60,20 @@ Invariants:
   graph is ever rewired by the outer engine. Outputs that alias the caller's
   tensors never reach the node: a record rebuilds them itself (see
   :meth:`moe_autograd.module_call.ModuleCall.rebuild`).
-* Every call is joined before the node's backward returns or raises: a failing
-  call never leaves another one running on half-freed state.
-* Call records live until the engine releases the node (after a backward
-  without ``retain_graph``, or when the outputs die), never longer.
+* A failing call is raised in the loop's order (the last failing call first,
+  as a loop's backward meets it) after every call was joined: none is left
+  running on half-freed state. Streaming, the gradients of the calls handed
+  over before it stay accumulated, as in a loop whose backward fails; a
+  policy's ``check`` (the MoE layer's quorum) runs once every call is done,
+  before the last call's gradients are handed over.
+* A call record lives until the engine releases its node (the call's own when
+  it streams: after its gradients were taken, without ``retain_graph``; or
+  when the outputs die), never longer.
 """
 import threading
+import time
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -92,6 +122,13 @@ class IsolatedCall:
         """Whether backward must reach this call (its inputs or parameters)."""
         return any(t.requires_grad for t in self.inputs)
 
+    @property
+    def streams(self) -> bool:
+        """Whether the call's gradients go to the engine through a node of
+        its own, as soon as its backward has finished (see :func:`attach`):
+        worth it where it has parameter gradients to accumulate and free."""
+        return False
+
     def backward(self, grad_outputs: Grads) -> Any:
         """Runs on a worker; returns what :meth:`input_grads` turns into one
         gradient per entry of ``inputs``. At least one entry of
@@ -134,16 +171,28 @@ class _Plan:
 
     def __init__(self, calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy],
                  name: str) -> None:
-        self.calls: Optional[Sequence[IsolatedCall]] = calls
+        #: The call records; a released call's entry is None.
+        self.calls: List[IsolatedCall] = list(calls)
         self.policy = policy
         self.name = name
         self.lock = threading.Lock()
+        #: Set when the engine freed the node's saved state (see ``release``).
+        self.freed = False
+        self._released = [False] * len(calls)
         # Taken in grad mode (the node's forward runs without it).
         self.constant = [not call.needs_grad for call in calls]
         #: ``lanes`` for the backward (see :func:`moe_autograd.executor.run_all`).
         self.lanes: Optional[int] = None
-        #: Position in ``[phony, *flat inputs]`` of an input to pass first.
+        #: Each call needing a gradient has its own gradient node (see
+        #: ``_CallGradients``): its parameter gradients stream to the engine.
+        self.streams = False
+        #: Number of those nodes' tokens among the node's inputs.
+        self.tokens = 0
+        #: Position in ``[phony, *tokens, *flat inputs]`` of an input to pass first.
         self.view_first: Optional[int] = None
+        #: The backward pass under way (streaming: its calls' gradients are
+        #: handed to the engine by the calls' own nodes).
+        self.current: Optional["_Pass"] = None
         # The node's inputs list the calls last first: the engine then sums the
         # gradient terms of a tensor shared by several calls in the order a
         # loop's backward produces them (later calls first), bit for bit.
@@ -158,12 +207,27 @@ class _Plan:
         ]
 
     def release(self) -> None:
+        """The node's saved state is freed: its calls go, but those whose own
+        gradient node still holds them (streaming: each call lives until its
+        node is freed too)."""
+        self.freed = True
+        for i, call in enumerate(self.calls):
+            if not (self.streams and not self.constant[i]):
+                self.release_call(i)
+
+    def release_call(self, i: int) -> None:
         with self.lock:
-            calls, self.calls = self.calls, None
-        for call in calls or ():
-            call.release()
-            if call.saves is not None:
-                call.saves.release()
+            if self._released[i]:
+                return
+            self._released[i] = True
+        current = self.current
+        if current is not None and i in current.position:
+            current.released(i)  # never free a call a worker still runs
+        call = self.calls[i]
+        call.release()
+        if call.saves is not None:
+            call.saves.release()
+        self.calls[i] = None  # type: ignore[call-overload]  # the record and all it holds
 
 
 _CreationMeta = torch._C._autograd.CreationMeta
@@ -179,19 +243,19 @@ def replayable_view(t: Tensor) -> bool:
 
 
 def _node_order(plan: "_Plan", tensors: List[Any]) -> List[Any]:
-    """``[phony, *flat inputs]`` (or their gradients) in the node's input
-    order: as they are, or with the view the call modifies in place first."""
+    """``[phony, *tokens, *flat inputs]`` (or their gradients) in the node's
+    input order: as they are, or with the view the call modifies in place first."""
     k = plan.view_first
     return tensors if k is None else [tensors[k], *tensors[:k], *tensors[k + 1:]]
 
 
 def _flat_inputs(plan: "_Plan", tensors: Sequence[Tensor]) -> Sequence[Tensor]:
-    """The flat inputs (without the phony) from the node's inputs."""
+    """The flat inputs (after the phony and the tokens) from the node's inputs."""
     k = plan.view_first
-    if k is None:
-        return tensors[1:]
-    rest = tensors[1:]  # phony, then the others
-    return [*rest[1:k], tensors[0], *rest[k:]]
+    if k is not None:
+        rest = tensors[1:]
+        tensors = [*rest[:k], tensors[0], *rest[k:]]
+    return tensors[1 + plan.tokens:]
 
 
 def _identity(x: Any) -> Any:
@@ -267,7 +331,7 @@ class _ParallelNode(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         plan: _Plan = ctx.plan
         calls = plan.calls
-        if calls is None:
+        if plan.freed:
             raise RuntimeError(f"{plan.name}: the calls' graphs were already freed; "
                                "pass retain_graph=True to backward twice")
         if not torch.is_grad_enabled():
@@ -276,6 +340,8 @@ class _ParallelNode(torch.autograd.Function):
         # and cannot be differentiated again: make that an error, never a constant.
         with torch.no_grad():
             grads = _ParallelNode._backward(plan, calls, grad_outputs)
+        if plan.streams:
+            return grads  # no gradient but the tokens' (the calls' nodes guard theirs)
         inputs = [t for call in reversed(calls) for t in call.inputs]
         return _NoDoubleBackward.apply(len(grads), *grads, *inputs)
 
@@ -295,16 +361,58 @@ class _ParallelNode(torch.autograd.Function):
                     if grads[k] is None and (dtype.is_floating_point or dtype.is_complex):
                         grads[k] = torch.zeros(shape, dtype=dtype, device=device)
             per_call.append(grads)
-        input_grads = _run_backwards(plan, calls, per_call)
+        backward = _Pass(plan, per_call)
+        n_flat = sum(len(call.inputs) for call in calls)
+        if plan.streams:
+            # The calls run on; each call's node hands over its gradients as
+            # it finishes (in the engine's order: later calls first).
+            plan.current = backward
+            torch.autograd.Variable._execution_engine.queue_callback(backward.finish)
+            tokens = [torch.empty(0) if i in backward.position else None
+                      for i in reversed(range(len(calls))) if not plan.constant[i]]
+            return (None, *_node_order(plan, [None, *tokens, *[None] * n_flat]))
+        input_grads: List[Grads] = [[None] * len(call.inputs) for call in calls]
+        try:
+            for i in reversed(backward.active):
+                input_grads[i] = backward.grads_of(i)
+        finally:
+            backward.finish()
         flat = [g for grads in reversed(input_grads) for g in grads]
-        for k, g in enumerate(flat):
-            if g is not None and g.is_sparse:
-                # A sparse gradient's values may be another gradient's memory
-                # (embedding's backward keeps its incoming gradient): the
-                # engine would then steal one into a .grad that the other's
-                # accumulation changes. A loop's AccumulateGrad copies there.
-                flat[k] = g.clone()
         return (None, *_node_order(plan, [None, *flat]))
+
+
+class _CallGradients(torch.autograd.Function):
+    """One call's gradients, handed to the engine when that call's backward
+    has finished (streaming, see :func:`attach`).
+
+    Its inputs are the call's tensors (the caller's and the parameters its
+    graph reaches), its output a token the parallel node takes as an input:
+    the engine runs it after the node, in its own order (the node of a later
+    call first, as a loop's backward), and accumulates its parameters'
+    gradients at once, then frees them with the call's graph."""
+
+    @staticmethod
+    def forward(ctx: Any, plan: _Plan, i: int, *inputs: Tensor) -> Tensor:  # type: ignore[override]
+        ctx.plan, ctx.i, ctx.n = plan, i, len(inputs)
+        ctx.set_materialize_grads(False)
+        token = torch.empty(0)
+        weakref.finalize(token, plan.release_call, i)
+        ctx.save_for_backward(token)
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+        plan: _Plan = ctx.plan
+        i: int = ctx.i
+        current = plan.current
+        if current is None or i not in current.position:  # unused in this backward
+            return (None, None, *[None] * ctx.n)
+        if not torch.is_grad_enabled():
+            return (None, None, *current.grads_of(i))
+        inputs = plan.calls[i].inputs
+        with torch.no_grad():
+            grads = current.grads_of(i)
+        return (None, None, *_NoDoubleBackward.apply(len(grads), *grads, *inputs))
 
 
 def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
@@ -323,35 +431,10 @@ def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads
     return grads
 
 
-def _run_backwards(plan: _Plan, calls: Sequence[IsolatedCall],
-                   per_call: List[Optional[Grads]]) -> List[Grads]:
-    """Runs the backward of every call that has output gradients; the others
-    get None for every input."""
-    active = [i for i, grads in enumerate(per_call) if grads is not None]
-    results: List[Grads] = [[None] * len(call.inputs) for call in calls]
-    if not active:
-        return results
-    # The user's saved-tensor hooks unpack here, on the engine's thread inside
-    # the outer graph task (a checkpoint frame recomputes once), never on workers.
-    saves = [calls[i].saves for i in active if calls[i].saves is not None]
-    for s in saves:
-        s.materialize()  # type: ignore[union-attr]
-    muted = _mute_tensor_hooks([t for i in active for t in calls[i].inputs])
-    try:
-        _run_active(plan, calls, per_call, active, results)
-    finally:
-        _restore_tensor_hooks(muted)
-        for s in saves:
-            s.drop()  # type: ignore[union-attr]
-    return results
-
-
-Muted = List[Tuple[Dict[Any, Any], List[Tuple[Any, Any]]]]
-
-
-def _mute_tensor_hooks(tensors: Sequence[Tensor]) -> Muted:
-    """Empties the ``register_hook`` hooks of the leaves among ``tensors``
-    while the calls run their backward.
+class _Muted:
+    """The ``register_hook`` hooks of the leaves among the calls' inputs,
+    emptied while the calls run their backward, each dict put back when the
+    last call that reaches its leaf has finished.
 
     A call's own graph reaches its expert's parameters, so the call's
     ``torch.autograd.grad`` captures their gradients at their
@@ -359,28 +442,54 @@ def _mute_tensor_hooks(tensors: Sequence[Tensor]) -> Muted:
     capture: a hook would fire once per call with a partial gradient, and a
     hook that rewrites the gradient (clipping, say) would apply twice. The
     engine runs them once, with the summed gradient, when it accumulates the
-    node's results. (Post-accumulate hooks and DDP's hooks on the accumulator
+    calls' results. (Post-accumulate hooks and DDP's hooks on the accumulator
     run only when it accumulates, never on a capture.) The hook dicts are
     emptied in place, so PyTorch's handles stay valid; a backward of another
     thread through the same parameters at this moment would miss them.
     """
-    muted: Muted = []
-    seen = set()
-    for t in tensors:
-        hooks = t._backward_hooks if t.is_leaf else None
-        if hooks and id(hooks) not in seen:
-            seen.add(id(hooks))
-            muted.append((hooks, list(hooks.items())))
-            hooks.clear()
-    return muted
+
+    def __init__(self, calls: Sequence[IsolatedCall], active: Sequence[int]) -> None:
+        self._entries: Dict[int, List[Any]] = {}  # id -> [hooks, items, calls left]
+        self._of_call: Dict[int, List[int]] = {}
+        for i in active:
+            mine: List[int] = []
+            for t in calls[i].inputs:
+                hooks = t._backward_hooks if t.is_leaf else None
+                if not hooks and not (hooks is not None and id(hooks) in self._entries):
+                    continue
+                key = id(hooks)
+                if key in mine:
+                    continue
+                mine.append(key)
+                entry = self._entries.get(key)
+                if entry is None:
+                    self._entries[key] = [hooks, list(hooks.items()), 1]  # type: ignore[union-attr]
+                    hooks.clear()  # type: ignore[union-attr]
+                else:
+                    entry[2] += 1
+            self._of_call[i] = mine
+
+    def done(self, i: int) -> None:
+        """Call ``i`` has finished: put back the hooks no running call reaches."""
+        for key in self._of_call.pop(i, ()):
+            entry = self._entries[key]
+            entry[2] -= 1
+            if entry[2] == 0:
+                del self._entries[key]
+                _restore(entry[0], entry[1])
+
+    def restore_all(self) -> None:
+        self._of_call.clear()
+        entries, self._entries = self._entries, {}
+        for hooks, items, _ in entries.values():
+            _restore(hooks, items)
 
 
-def _restore_tensor_hooks(muted: Muted) -> None:
-    for hooks, items in muted:
-        kept = list(hooks.items())  # registered meanwhile
-        hooks.clear()
-        hooks.update(items)
-        hooks.update(kept)
+def _restore(hooks: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> None:
+    kept = list(hooks.items())  # registered meanwhile
+    hooks.clear()
+    hooks.update(items)
+    hooks.update(kept)
 
 
 def _on_device_thread(plan: _Plan, active: List[int]) -> bool:
@@ -398,85 +507,196 @@ def _on_device_thread(plan: _Plan, active: List[int]) -> bool:
     return any(device.type != "cpu" for i in active for _, _, device in plan.output_meta[i])
 
 
-def _run_active(plan: _Plan, calls: Sequence[IsolatedCall], per_call: List[Optional[Grads]],
-                active: List[int], results: List[Grads]) -> None:
-    state = capture()
-    policy = plan.policy
-    strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
-    # On a device thread: one lane, this thread, and no deadline can hold.
-    inline = _on_device_thread(plan, active)
-    lanes = 1 if inline else plan.lanes
+class _Pass:
+    """One backward pass of a node's calls.
 
-    def task(i: int) -> Callable[[], Any]:
-        call = calls[i]
-        grads = per_call[i]
+    Lifecycle::
 
-        def run() -> Any:
-            try:
-                raw = call.backward(grads)  # type: ignore[arg-type]
-                # A tolerant caller must see a malformed result as this call's failure.
-                return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
-            except BaseException as error:
+        started    the node's backward: the saved tensors of the active calls
+                   (those with an output gradient) unpacked on the engine's
+                   thread, their leaves' hooks muted, their backwards queued
+                   last call first (workers, or the waiting thread itself)
+        taken      ``grads_of(i)``, once per active call, last call first:
+                   waits for call i (helping), checks its gradients, puts
+                   back the hooks only it reached; a failure joins every call
+                   first, then raises
+        finished   ``finish()``: every call joined (a deadline's stragglers
+                   cancelled), every hook back, the policy's ``check`` run on
+                   all outcomes; idempotent: run when the last active call's
+                   gradients are taken (a streaming node also queues it at the
+                   end of the engine's pass, for calls the pass never reached)
+
+    Under the default policy the first failure met, in the loop's order
+    (later calls first), is raised; under a tolerant one a failed or late
+    call gives None gradients (a constant).
+    """
+
+    def __init__(self, plan: _Plan, per_call: List[Optional[Grads]]) -> None:
+        self.plan = plan
+        calls = plan.calls
+        self.active = [i for i, grads in enumerate(per_call) if grads is not None]
+        self.position = {i: k for k, i in enumerate(reversed(self.active))}
+        self._finished = False
+        self._gone: Set[int] = set()  # calls freed
+        self._taken: Set[int] = set()  # calls whose gradients went to the engine
+        self._lock = threading.Lock()
+        policy = plan.policy
+        self.strict = policy is None or not (policy.tolerate_failures or policy.timeout is not None)
+        self.deadline = None if policy is None or policy.timeout is None \
+            else time.monotonic() + policy.timeout
+        # The user's saved-tensor hooks unpack here, on the engine's thread inside
+        # the outer graph task (a checkpoint frame recomputes once), never on workers.
+        self._saves: Dict[int, CallSaves] = {
+            i: saves for i in self.active if (saves := calls[i].saves) is not None}
+        for saves in self._saves.values():
+            saves.materialize()
+        self._muted = _Muted(calls, self.active)
+        # On a device thread: one lane, this thread, and no deadline can hold.
+        self.inline = _on_device_thread(plan, self.active)
+        order = list(reversed(self.active))
+        state = capture()
+        strict = self.strict
+
+        def task(i: int) -> Callable[[], Any]:
+            call = calls[i]
+            grads = per_call[i]
+
+            def run() -> Any:
+                try:
+                    raw = call.backward(grads)  # type: ignore[arg-type]
+                    # A tolerant caller must see a malformed result as this call's failure.
+                    return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
+                except BaseException as error:
+                    error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                    raise
+            return bind(state, run)
+
+        def finish(k: int, raw: Any, error: Optional[BaseException]
+                   ) -> Tuple[Any, Optional[BaseException]]:
+            # A collected call's completion, as ``task`` ends a call on a worker.
+            i = order[k]
+            if error is None and not strict:
+                try:
+                    raw = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
+                except Exception as failure:  # noqa: BLE001 - this call's own failure
+                    error = failure
+            if error is not None:
                 error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
-                raise
-        return bind(state, run)
+            return raw, error
 
-    fns = [task(i) for i in active]
-    mine, grads = [calls[i] for i in active], [per_call[i] for i in active]
+        lanes = 1 if self.inline else plan.lanes
+        if self.deadline is not None and not self.inline:
+            lanes = None  # under a deadline the caller never runs a call itself
+        self.group = collect.submit_backwards(
+            [calls[i] for i in order], [per_call[i] for i in order],
+            [task(i) for i in order], lanes, finish,
+            deadline=None if policy is None else policy.timeout)
 
-    def finish(k: int, raw: Any, error: Optional[BaseException]
-               ) -> Tuple[Any, Optional[BaseException]]:
-        # A collected call's completion, as ``task`` ends a call on a worker.
-        i = active[k]
-        if error is None and not strict:
-            try:
-                raw = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
-            except Exception as failure:  # noqa: BLE001 - this call's own failure
-                error = failure
-        if error is not None:
-            error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
-        return raw, error
+    def _left(self) -> Optional[float]:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    if strict:
-        raws = collect.run_backwards(mine, grads, fns, lanes, finish)
-        for i, raw in zip(active, raws):
-            try:
-                results[i] = _check_grads(plan, i, calls[i], calls[i].input_grads(raw))
-            except BaseException as error:
-                error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
-                raise
-        return
-    assert policy is not None
-    group = collect.submit_backwards(mine, grads, fns,
-                                     None if policy.timeout is not None and not inline else lanes,
-                                     finish, deadline=policy.timeout)
-    # Under a deadline the caller never runs a call itself: it could not leave
-    # a straggler before the deadline.
-    if inline:
-        group.wait()
-    elif not group.wait(policy.timeout, help=policy.timeout is None):
-        group.cancel()
-    ok = [True] * len(calls)  # a call that did not run (unused) is no failure
-    errors: List[Optional[BaseException]] = [None] * len(calls)
-    for j, i in enumerate(active):
-        ok[i] = group.succeeded(j)
-        errors[i] = group.errors[j]
-    if not policy.tolerate_failures and not all(ok):
-        if any(e is not None for e in errors):
-            raise next(e for e in errors if e is not None)
-        late = ok.index(False)
-        raise TimeoutError(f"{plan.name} backward: call {late} of {len(calls)} "
-                           f"missed the {policy.timeout}s deadline")
-    if policy.check is not None:
-        policy.check([
-            None if ok[i] else errors[i] or TimeoutError(
-                f"{plan.name} backward: call {i} of {len(calls)} missed the "
-                f"{policy.timeout}s deadline")
-            for i in range(len(calls))
-        ])
-    for j, i in enumerate(active):
-        if ok[i]:
-            results[i] = group.results[j]  # type: ignore[assignment]
+    def grads_of(self, i: int) -> Grads:
+        """Call ``i``'s input gradients (see the lifecycle)."""
+        plan, group, k = self.plan, self.group, self.position[i]
+        call = plan.calls[i]
+        helps = self.inline or self.deadline is None
+        group.wait_for(k, None if self.inline else self._left(), help=helps)
+        if self.strict:
+            error = group.errors[k]
+            if error is None:
+                try:
+                    grads = _check_grads(plan, i, call, call.input_grads(group.results[k]))
+                except BaseException as failure:
+                    failure.add_note(f"{plan.name} backward: call {i} of {len(plan.calls)}")
+                    error = failure
+            if error is not None:
+                self._fail()
+                raise error
+        elif group.succeeded(k):
+            grads = group.results[k]  # type: ignore[assignment]
+        elif not plan.policy.tolerate_failures:  # type: ignore[union-attr]
+            self._fail()
+            raise group.errors[k] or self._late(i)
+        else:
+            grads = [None] * len(call.inputs)
+        group.results[k] = None  # the engine owns them now: freed once accumulated
+        self._taken.add(i)
+        self._muted.done(i)
+        saves = self._saves.pop(i, None)
+        if saves is not None:
+            saves.drop()
+        if len(self._taken) == len(self.position):
+            self.finish()  # the last call: every outcome is known, check here
+        return _no_shared_sparse(grads)
+
+    def _fail(self) -> None:
+        """A call failed: the engine stops this pass, so no other call's
+        gradients will be taken. Joins them all and frees every call (the
+        graph cannot be used again: a second backward says so)."""
+        self.finish(check=False)
+        self.plan.freed = True
+        for i in range(len(self.plan.calls)):
+            self.plan.release_call(i)
+
+    def released(self, i: int) -> None:
+        """Call ``i`` is about to be freed (its node's state went: after its
+        gradients were taken, or with the graph): waits until it no longer
+        runs; once every active call went, some untaken (a backward that
+        stopped on another node's error), finishes without the check."""
+        if self._finished:
+            return  # joined, or a straggler a deadline masked: it fails alone
+        if self.deadline is None:
+            self.group.wait_for(self.position[i])
+        else:  # past the deadline a straggler is masked: it fails alone
+            self.group.wait_for(self.position[i], self._left(), help=False)
+        self._gone.add(i)
+        if len(self._gone) == len(self.position) and self._gone != self._taken:
+            self.finish(check=False)
+
+    def _late(self, i: int) -> TimeoutError:
+        policy = self.plan.policy
+        return TimeoutError(f"{self.plan.name} backward: call {i} of {len(self.plan.calls)} "
+                            f"missed the {policy.timeout if policy else None}s deadline")
+
+    def finish(self, check: bool = True) -> None:
+        """Joins every call, puts every hook back, runs the policy's check
+        (see the lifecycle)."""
+        with self._lock:
+            if self._finished:
+                return
+            self._finished = True
+        group = self.group
+        try:
+            if self.strict or self.inline:
+                group.wait()
+            elif not group.wait(self._left(), help=self.deadline is None):
+                group.cancel()
+        finally:
+            self._muted.restore_all()
+            for saves in self._saves.values():
+                saves.drop()
+            self._saves.clear()
+            if self.plan.current is self:
+                self.plan.current = None
+        policy = self.plan.policy
+        if not check or self.strict or policy is None or policy.check is None:
+            return
+        outcomes: List[Optional[BaseException]] = [None] * len(self.plan.calls)
+        for i, k in self.position.items():
+            if not group.succeeded(k):
+                outcomes[i] = group.errors[k] or self._late(i)
+        policy.check(outcomes)
+
+
+def _no_shared_sparse(grads: Grads) -> Grads:
+    """A sparse gradient's values may be another gradient's memory
+    (embedding's backward keeps its incoming gradient): the engine would then
+    steal one into a .grad that the other's accumulation changes. A loop's
+    AccumulateGrad copies there; so does this."""
+    for k, g in enumerate(grads):
+        if g is not None and g.is_sparse:
+            grads[k] = g.clone()
+    return grads
 
 
 _named_nodes: Dict[type, type] = {}
@@ -511,25 +731,37 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     whose name the node takes.
     """
     if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
+        outputs = [list(call.outputs) for call in calls]
         for call in calls:
             call.release()
-        return [list(call.outputs) for call in calls]
+        return outputs
     for call in calls:
         if call.saves is not None:
             call.saves.replay()
     plan = _Plan(calls, policy, name)
     plan.lanes = lanes
-    if len(calls) == 1 and any(calls[0].inputs[j]._is_view() for _, j in calls[0].dirty):
-        # A view modified in place: autograd's CopySlices sends the view's
-        # gradient through the node's first input, which must be the view.
-        plan.view_first = 1 + next(j for _, j in calls[0].dirty if calls[0].inputs[j]._is_view())
+    plan.streams = any(call.streams for call in calls)
     phony = get_phony(phony_device or torch.device("cpu"), requires_grad=True)
     flat_inputs = [t for call in reversed(calls) for t in call.inputs]
-    # The node saves only its release token. Identity hooks keep the caller's
-    # saved-tensor hooks (offloading, say) from copying it, which would free the
-    # calls before backward.
+    # The nodes save only their release tokens. Identity hooks keep the caller's
+    # saved-tensor hooks (offloading, say) from copying one, which would free
+    # the calls before backward.
     with torch.autograd.graph.saved_tensors_hooks(_identity, _identity):
-        flat = _node_named_as(function).apply(plan, *_node_order(plan, [phony, *flat_inputs]))
+        tokens: List[Tensor] = []
+        if plan.streams:
+            # One gradient node per call, made in call order (the engine runs
+            # later ones first); their tokens listed last call first.
+            made = [_CallGradients.apply(plan, i, *call.inputs) if not plan.constant[i] else None
+                    for i, call in enumerate(calls)]
+            tokens = [t for t in reversed(made) if t is not None]
+            plan.tokens = len(tokens)
+        if len(calls) == 1 and any(calls[0].inputs[j]._is_view() for _, j in calls[0].dirty):
+            # A view modified in place: autograd's CopySlices sends the view's
+            # gradient through the node's first input, which must be the view.
+            plan.view_first = 1 + plan.tokens + next(
+                j for _, j in calls[0].dirty if calls[0].inputs[j]._is_view())
+        flat = _node_named_as(function).apply(
+            plan, *_node_order(plan, [phony, *tokens, *flat_inputs]))
     result: List[List[Tensor]] = []
     offset = 0
     for meta in plan.output_meta:
