@@ -7,7 +7,7 @@ The package's main names are importable from here: the runtime
 (``parallel_apply``, ``map_with_parallel_backward``, ...), the layer
 (``MixtureOfExperts``, ``NotEnoughExperts``, ``run_experts``) and the remote
 experts (``ExpertServer``, ``RemoteExpert``, ``RemoteExpertError``,
-``RemoteTimeoutError``).
+``RemoteTimeoutError``, and on Ray ``RayExpertServer``, ``RayTransport``, ``RayFleet``).
 
 Invariant: ``import moe_autograd`` loads the runtime only. The layer's and the
 remote experts' names are resolved on first access (PEP 562): their
@@ -36,7 +36,8 @@ from .policy import execution_stats
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .moe import MixtureOfExperts, NotEnoughExperts, run_experts
-    from .remote import ExpertServer, RemoteExpert, RemoteExpertError, RemoteTimeoutError
+    from .remote import (ExpertServer, RayExpertServer, RayFleet, RayTransport, RemoteExpert,
+                         RemoteExpertError, RemoteTimeoutError)
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -56,6 +57,9 @@ __all__ = [
     "RemoteExpert",
     "RemoteExpertError",
     "RemoteTimeoutError",
+    "RayExpertServer",
+    "RayTransport",
+    "RayFleet",
 ]
 
 __version__ = "0.1.0"
@@ -69,6 +73,9 @@ _LAZY: Dict[str, str] = {
     "RemoteExpert": ".remote",
     "RemoteExpertError": ".remote",
     "RemoteTimeoutError": ".remote",
+    "RayExpertServer": ".remote",
+    "RayTransport": ".remote",
+    "RayFleet": ".remote",
 }
 
 

@@ -38,6 +38,9 @@ Groups
     per-call random stream.
 ``remote``
     :mod:`.remote`: remote experts against ``torch.distributed.autograd``.
+``ray``
+    :mod:`.ray_remote`: remote experts on Ray against plain Ray actor calls
+    (skipped without ``ray``).
 ``moe``
     :mod:`moe_autograd.moe.bench`: a training step with a straggling expert.
 ``moe-scale``
@@ -111,6 +114,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "recompute-early": bench_recompute_early,
     "rng": bench_rng,
     "remote": _external("remote", f"{__name__}.remote"),
+    "ray": _external("ray", f"{__name__}.ray_remote"),
     "moe": _external("moe", "moe_autograd.moe.bench"),
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
     "elastic": _external("elastic", f"{__name__}.elastic"),
@@ -129,7 +133,9 @@ NOTES: Dict[str, str] = {
                "kernel (intra-op threads), so fanning out only adds contention: auto mode "
                "learns the calls are CPU-bound and runs them in cores // intra-op-threads "
                "lanes (here one: inline, the same bits as the fan-out). The loaded variant "
-               "spins one core in another process during both arms.",
+               "spins one core in another process during both arms. The cold variant "
+               "times a new site's first batches: the first fans out (16 calls crowding 2 "
+               "cores, measured), every later one runs in the mode that batch picked.",
     "checkpoint": "Memory kept for backward, from public means only: the unique storages packed "
                   "by a saved_tensors_hooks pack hook around parallel_apply (the runtime packs the "
                   "calls' saved tensors through the caller's hooks, in call order), plus the storages of the inputs the caller "
@@ -161,6 +167,10 @@ NOTES: Dict[str, str] = {
               "cores the L = 5 ms rows are CPU-bound; the L = 50 ms rows show the "
               "latency-bound behaviour. Ours sends one request per server and pass "
               "(moe_autograd.remote.batching), torch one RPC per call and pass.",
+    "ray": "A local Ray instance on this machine (4 server actors, 16 experts): ours sends one "
+           "request per server and pass through RayTransport (moe_autograd.remote.ray_backend), "
+           "the plain baseline one .remote() per call and pass; every Ray message costs CPU "
+           "on both ends, so with few cores the L = 5 ms rows are CPU-bound.",
     "elastic": "Servers that join are forked in advance (from a forkserver that imported "
                "torch) and wait for their cue, so the churn rows time the runtime's join and "
                "leave, not an interpreter's start-up; a churn block is back-to-back churn "

@@ -372,6 +372,7 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
 def _run_world(processes: List[Any], queue: Any, what: str) -> Any:
     """Starts the servers and, last, the client; returns what the client put
     on ``queue``; stops them all, the client first (it ends the world)."""
+    from ..remote.loopback import stop_processes
     started: List[Any] = []
     try:
         for process in processes:

@@ -84,6 +84,13 @@ pass ``--transports uv`` when server processes outnumber cores (TensorPipe's
 same-host ``shm`` transport busy-polls). :mod:`moe_autograd.remote.loopback`
 starts such worlds for tests and benchmarks (``moe_autograd.bench.remote``).
 
+Engines (:mod:`moe_autograd.remote.transport`): torch RPC (the default) or
+Ray (:mod:`moe_autograd.remote.ray_backend`, ``pip install moe_autograd[ray]``):
+:class:`RayExpertServer` starts a server as a named Ray actor and
+:class:`RayTransport` calls it; the engine is chosen by how the world was
+started (``init_rpc`` or ``ray.init``) or explicitly (``transport=``,
+:func:`set_transport`). See the README's "Choosing an engine".
+
 Elastic mode (:mod:`moe_autograd.remote.fleet`): :meth:`Fleet.start` founds a
 dynamic world (no ``world_size``); servers join and leave it while it runs
 (:class:`ElasticServer`, ``python -m moe_autograd serve --join``), publish
@@ -94,8 +101,12 @@ from .client import RemoteCall, RemoteExpert, flush_releases
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .fleet import ElasticServer, Fleet, FleetEvent, FleetExpert, NoLiveReplica
 from .membership import MembershipError
+from .ray_backend import RayExpertServer, RayTransport
+from .ray_fleet import RayFleet
 from .server import ExpertServer
+from .transport import AutoTransport, RpcTransport, get_transport, set_transport
 
 __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertError",
            "RemoteCall", "flush_releases", "Fleet", "FleetExpert", "FleetEvent", "ElasticServer",
-           "NoLiveReplica", "MembershipError"]
+           "NoLiveReplica", "MembershipError", "RayExpertServer", "RayTransport", "RayFleet", "RpcTransport",
+           "AutoTransport", "get_transport", "set_transport"]

@@ -490,6 +490,9 @@ class _Collector:
                                 if isinstance(x, Tensor) else x for x in a]
                     outputs, diff = value
                     func._fill_ctx(ctx, detached[0], detached[2:], outputs, diff)
+                    # what run_isolated_forward leaves on a map's context
+                    ctx._inputs = detached  # type: ignore[attr-defined]
+                    ctx._seal()
                     complete(k, (ctx, tuple(outputs)), None)
                     return
                 except Exception as failure:  # noqa: BLE001

@@ -18,6 +18,17 @@ fresh rank from the store, publishes its experts by name, and on SIGINT/
 SIGTERM or the coordinator's stop leaves cleanly (unpublish, finish calls in
 flight and held states within ``--drain-timeout``, then leave the world).
 
+Ray (``--engine ray``, see :mod:`.ray_backend`): the process connects to the
+running Ray cluster at ``--address HOST:PORT`` (its head's GCS; token
+authentication as configured for the cluster, e.g. ``RAY_AUTH_TOKEN``),
+starts the experts as a named actor (``--name``, in ``--namespace``) on this
+node (``--anywhere``: wherever Ray places it; ``--resources``, ``--num-gpus``
+for placement), serves until SIGINT/SIGTERM, then drains the actor (a
+:class:`~.ray_fleet.RayFleet` stops choosing it; calls in flight and held
+states get ``--drain-timeout`` seconds) and ends it. The actor belongs to
+this process: if the process dies (kill -9, its node lost), Ray ends the
+actor too, and clients see a dead server. No rank, world size or store.
+
 Invariant: the process exits with status 0 after a signal or the world's end,
 and 2 on bad arguments (argparse); with ``--join``, 75 if it could not join
 (start it again) and 3 if it was evicted (reaped while stopped).
@@ -92,6 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-host 'shm' transport busy-polls, so prefer 'uv' when server "
                         "processes outnumber cores)")
     p.add_argument("--drain-timeout", type=float, default=10.0)
+    p.add_argument("--engine", choices=("rpc", "ray"), default="rpc",
+                   help="torch RPC (default) or Ray: the experts become a named Ray actor")
+    p.add_argument("--address", metavar="HOST:PORT",
+                   help="with --engine ray: the Ray cluster's address (default: $RAY_ADDRESS, "
+                        "else 'auto', a cluster started on this machine by 'ray start')")
+    p.add_argument("--namespace", default="moe_autograd",
+                   help="with --engine ray: the Ray namespace of the server's name")
+    p.add_argument("--resources", metavar="JSON",
+                   help="with --engine ray: custom resources the actor takes, e.g. "
+                        "'{\"experts\": 1}'")
+    p.add_argument("--num-gpus", type=float, default=0.0,
+                   help="with --engine ray: GPUs the actor takes")
+    p.add_argument("--anywhere", action="store_true",
+                   help="with --engine ray: let Ray place the actor on any node that fits "
+                        "(default: this node)")
     p.add_argument("--join", action="store_true",
                    help="join a running elastic world (a Fleet's) by its store at "
                         "--master-addr:--master-port; no --rank/--world-size")
@@ -121,6 +147,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args_list[:1] == ["serve"]:
         args_list = args_list[1:]
     args = build_parser().parse_args(args_list)
+    if args.engine == "ray":
+        if args.join or args.world_size:
+            build_parser().error("--engine ray takes no --join or --world-size: Ray's own "
+                                 "membership places the server")
+        return _serve_on_ray(args)
     if args.rank is None and not args.join:
         build_parser().error("--rank (or $RANK) is required (or --join)")
     from torch.distributed import rpc
@@ -169,6 +200,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             rpc.shutdown(graceful=args.world_size is None)
         except Exception as error:  # noqa: BLE001
             _log(f"rpc shutdown: {error}")
+    _log("stopped")
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace) -> int:
+    import json
+
+    import ray
+
+    from .ray_backend import RayExpertServer
+
+    resources = None
+    if args.resources:
+        try:
+            resources = json.loads(args.resources)
+        except ValueError as error:
+            build_parser().error(f"--resources must be a JSON object, got {args.resources!r} "
+                                 f"({error})")
+        if not isinstance(resources, dict):
+            build_parser().error(f"--resources must be a JSON object, got {args.resources!r}")
+    address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
+    name = args.name or f"expert-server-{os.getpid()}"
+    # The actor's process must import the experts factory as this one does.
+    path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
+    ray.init(address=address, namespace=args.namespace, log_to_driver=False,
+             configure_logging=False)
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    optimizer = load_object(args.optimizer) if args.optimizer else None
+    try:
+        server = RayExpertServer(
+            name, args.experts, namespace=args.namespace,
+            max_concurrency=args.num_worker_threads, num_gpus=args.num_gpus,
+            resources=resources, on_node=None if args.anywhere else "here",
+            runtime_env={"env_vars": {"PYTHONPATH": path}},
+            backward=args.backward, optimizer=optimizer, auto_step=not args.manual_step,
+            state_ttl=args.state_ttl, max_states=args.max_states,
+            max_states_per_client=args.max_states_per_client,
+            max_state_bytes=args.max_state_bytes, max_request_bytes=args.max_request_bytes,
+            non_finite_grads=args.non_finite_grads)
+    except BaseException as error:
+        _log(f"could not start the Ray expert server {name!r}: {error}")
+        ray.shutdown()
+        return 75
+    _log(f"Ray actor {name!r} (namespace {args.namespace!r}, node {server.node_id[:12]}, "
+         f"pid {server.pid}) serves {sorted(server.experts)} ({args.backward} backward)")
+    while not stop.wait(0.2):
+        pass
+    _log("signal received, draining")
+    left = server.leave(drain_timeout=args.drain_timeout, linger=min(1.0, args.drain_timeout))
+    _log(f"left (undrained: {left})")
+    ray.shutdown()
     _log("stopped")
     return 0
 

@@ -327,10 +327,12 @@ class RemoteExpert(nn.Module):
             raise RemoteExpertError(f"{self._where(what)} could not be sent: {error}") from error
 
     def _transport_limit(self) -> str:
+        hint = getattr(self.transport, "timeout_hint", None)
+        if hint is not None:
+            return str(hint())
         seconds = getattr(self.transport, "default_timeout", lambda: None)()
-        limit = f"rpc_timeout={seconds:g} s" if seconds is not None else "its default"
-        return (f"the transport's own timeout ({limit}; set it with "
-                "rpc.TensorPipeRpcBackendOptions(rpc_timeout=...), or give the expert a "
+        limit = f"{seconds:g} s" if seconds is not None else "its default"
+        return (f"the transport's own timeout ({limit}; or give the expert a "
                 "forward_timeout/backward_timeout)")
 
     def _job(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float],

@@ -85,7 +85,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Set, Tuple, Union
 
 from torch import Tensor, nn
 
@@ -96,7 +96,7 @@ from .registry import BeatWatch, Registry, ServerRecord, observe_alive
 from .server import ExpertServer
 from .transport import Transport, TransportError, check_timeout, get_transport
 
-__all__ = ["Fleet", "FleetExpert", "FleetEvent", "ElasticServer", "NoLiveReplica",
+__all__ = ["Fleet", "FleetExpert", "FleetEvent", "ElasticServer", "NoLiveReplica", "Resolver",
            "serve_joined", "backend_options", "default_name"]
 
 MembershipError = membership.MembershipError
@@ -517,6 +517,23 @@ class Fleet:
         self.shutdown()
 
 
+class Resolver(Protocol):
+    """What :class:`FleetExpert` needs of a fleet: :class:`Fleet` (torch RPC)
+    or :class:`~moe_autograd.remote.ray_fleet.RayFleet` (Ray)."""
+
+    transport: Transport
+
+    def replicas(self, expert: str) -> List[str]: ...
+
+    def refresh_on_miss(self) -> None: ...
+
+    def servers(self) -> Dict[str, Tuple[str, ...]]: ...
+
+    def suspect(self, worker: str, why: str = "") -> None: ...
+
+    def _served(self, worker: str) -> None: ...
+
+
 class FleetExpert(nn.Module):
     """Calls the expert ``name`` on a live replica that ``fleet`` resolves.
 
@@ -530,7 +547,7 @@ class FleetExpert(nn.Module):
     forward, tried first next time; ``retries`` counts attempts after a failure.
     """
 
-    def __init__(self, fleet: Fleet, name: str, *, forward_timeout: Optional[float] = None,
+    def __init__(self, fleet: Resolver, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
                  attempt_timeout: Optional[float] = None) -> None:
         super().__init__()

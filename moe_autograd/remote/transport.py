@@ -1,16 +1,47 @@
 """The one seam between remote experts and the engine that carries messages.
 
-Why a seam: :mod:`torch.distributed.rpc` (TensorPipe) is the transport today,
-but nothing else in :mod:`moe_autograd.remote` touches it, so another engine
-(Ray actors, a gRPC service) can be added by implementing :class:`Transport`
-and passing it to ``RemoteExpert(..., transport=...)`` or :func:`set_transport`.
+Why a seam: remote experts need an engine that moves a request to another
+process and its reply back. Two engines sit behind it: :mod:`torch.distributed.rpc`
+(TensorPipe; :class:`RpcTransport`, the default, needing no service) and Ray
+(:class:`~moe_autograd.remote.ray_backend.RayTransport`, optional:
+``pip install moe_autograd[ray]``). Nothing else in :mod:`moe_autograd.remote`
+touches an engine, so a third one (a gRPC service) plugs in by implementing
+:class:`Transport` and passing it to ``RemoteExpert(..., transport=...)`` or
+:func:`set_transport`.
 
-The interface is deliberately tiny: ``call(worker, fn, args, timeout)`` runs
-the module-level function ``fn(*args)`` in the process named ``worker`` and
-returns a :class:`Pending` whose ``result(timeout)`` blocks for the reply, and
-whose optional ``add_done_callback(fn)`` lets a caller be told instead of
-waiting (how :mod:`.batching` completes many calls without a thread each; a
-transport without it costs one waiting thread per request there).
+What a backend must provide (the :class:`Transport` protocol):
+
+======================  ==================================================================
+send a request          ``call(worker, fn, args, timeout)`` runs the module-level function
+                        ``fn(*args)`` in the server process named ``worker`` and returns a
+                        :class:`Pending` at once (never blocks on the peer)
+complete by callback    ``Pending.add_done_callback(fn)`` (optional, see
+                        :class:`CallbackPending`): how :mod:`.batching` completes many
+                        calls without a waiting thread each; without it, one daemon
+                        thread waits per request
+deadlines               ``timeout`` bounds the whole call; ``None`` means the engine's own
+                        limit (``default_timeout()``, optional), so every call ends
+server-side entry point the process named ``worker`` runs ``fn(*args)`` for any
+                        importable ``fn`` (:mod:`.server`'s ``serve_*`` functions, the
+                        coalesced :mod:`.batch_server` ones): an RPC worker does so by
+                        itself; a Ray server is an actor whose ``run(fn, args)`` does it
+                        (:class:`~moe_autograd.remote.ray_backend.RayExpertServer`)
+liveness                a request to a dead or unreachable peer fails with
+                        :class:`TransportError` (at once when the engine sees the death,
+                        else at its deadline), never hangs
+names                   ``local_name()``: this process's name, unique in its world (the
+                        owner of its stateful calls and coalesced batches)
+======================  ==================================================================
+
+Choosing the backend: :func:`get_transport` returns, unless
+:func:`set_transport` replaced it, an :class:`AutoTransport` that picks per
+call by how the world was started: an initialised RPC agent (``rpc.init_rpc``)
+means torch RPC, else an initialised Ray (``ray.init``, or running inside a
+Ray worker) means Ray; both initialised: RPC (the default), name Ray
+explicitly (``transport=RayTransport()``) to use it.
+
+The interface is deliberately tiny: ``call`` returns a :class:`Pending`
+whose ``result(timeout)`` blocks for the reply.
 
 Invariants:
 
@@ -54,6 +85,7 @@ import atexit
 import itertools
 import math
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, Optional, Protocol, Tuple
@@ -63,7 +95,7 @@ from ..executor import check_timeout as _check_timeout
 __all__ = ["Transport", "Pending", "TransportError", "TransportSendError", "TransportTimeout",
            "RpcTransport", "get_transport", "set_transport", "check_timeout",
            "RPC_MAX_TIMEOUT_S", "RPC_RESOLUTION_S", "WAIT_SLICE_S", "EXIT_SETTLE_S",
-           "when_done", "in_flight"]
+           "when_done", "in_flight", "CallbackPending", "AutoTransport", "choose_backend"]
 
 RPC_MAX_TIMEOUT_S = 2_147_483.0  # the RPC agent keeps timeouts as int32 milliseconds
 RPC_RESOLUTION_S = 0.001  # ...whole ones, truncated, and 0 means no limit at all
@@ -108,8 +140,21 @@ class Pending(Protocol):
     # written before it still type-checks: see :func:`when_done`.
 
 
+class CallbackPending(Pending, Protocol):
+    """A :class:`Pending` that can tell a caller when it is done (what
+    :func:`when_done` uses when a pending has it)."""
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn()`` once the reply or the failure is there (at once if
+        it is already), on whichever thread completes it; ``fn`` must not block."""
+        ...
+
+
 class Transport(Protocol):
-    """What remote experts need of a transport."""
+    """What remote experts need of a transport (see the module docstring's
+    table). Optional: ``default_timeout() -> Optional[float]``, the seconds
+    that bound a call given ``timeout=None``, and ``timeout_hint() -> str``,
+    how a user changes them (named in timeout errors)."""
 
     name: str
 
@@ -291,6 +336,13 @@ class RpcTransport:
         _track(future)
         return _RpcPending(future)
 
+    def timeout_hint(self) -> str:
+        seconds = self.default_timeout()
+        limit = f"rpc_timeout={seconds:g} s" if seconds is not None else "its default"
+        return (f"the transport's own timeout ({limit}; set it with "
+                "rpc.TensorPipeRpcBackendOptions(rpc_timeout=...), or give the expert a "
+                "forward_timeout/backward_timeout)")
+
     def default_timeout(self) -> Optional[float]:
         """The agent's own timeout in seconds (``None`` if unknown or unlimited)."""
         from torch.distributed import rpc
@@ -312,15 +364,82 @@ class RpcTransport:
                 f"rpc.init_rpc(name, rank, world_size, ...) first ({error})") from error
 
 
-_transport: Transport = RpcTransport()
+_rpc_transport = RpcTransport()
+
+
+def _rpc_running() -> bool:
+    """Whether this process has an initialised RPC agent (without importing
+    RPC if nobody did: then nobody initialised it)."""
+    rpc = sys.modules.get("torch.distributed.rpc")
+    if rpc is None:
+        return False
+    try:
+        rpc.get_worker_info()
+    except Exception:  # noqa: BLE001 - not initialised (or shut down)
+        return False
+    return True
+
+
+def _ray_running() -> bool:
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+
+
+def choose_backend() -> Transport:
+    """The backend of the world this process is in: torch RPC if its agent is
+    initialised, else Ray if it is initialised, else torch RPC (whose calls
+    then fail with an error saying how to start either)."""
+    if _rpc_running():
+        return _rpc_transport
+    if _ray_running():
+        from .ray_backend import default_ray_transport
+
+        return default_ray_transport()
+    return _rpc_transport
+
+
+class AutoTransport:
+    """The default transport: each call goes to :func:`choose_backend`'s
+    backend, so that remote experts built before ``init_rpc``/``ray.init``
+    use the engine started later."""
+
+    name = "auto"
+
+    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
+             timeout: Optional[float]) -> Pending:
+        return choose_backend().call(worker, fn, args, timeout)
+
+    def local_name(self) -> str:
+        if not _rpc_running() and not _ray_running():
+            raise TransportError(
+                "no remote engine is initialised in this process: call "
+                "torch.distributed.rpc.init_rpc(name, rank, world_size, ...) or ray.init(...) "
+                "first (or pass transport=... explicitly)")
+        return choose_backend().local_name()
+
+    def default_timeout(self) -> Optional[float]:
+        get = getattr(choose_backend(), "default_timeout", None)
+        return get() if get is not None else None
+
+    def timeout_hint(self) -> str:
+        get = getattr(choose_backend(), "timeout_hint", None)
+        return str(get()) if get is not None else "the transport's own timeout"
+
+
+_transport: Transport = AutoTransport()
 
 
 def get_transport() -> Transport:
-    """The transport that remote experts and servers use by default."""
+    """The transport that remote experts and servers use by default: an
+    :class:`AutoTransport` unless :func:`set_transport` replaced it."""
     return _transport
 
 
-def set_transport(transport: Transport) -> None:
-    """Replaces the default transport (for every later RemoteExpert/server)."""
+def set_transport(transport: Optional[Transport]) -> None:
+    """Replaces the default transport (for every later RemoteExpert/server);
+    ``None`` restores the automatic choice (:class:`AutoTransport`)."""
     global _transport
-    _transport = transport
+    if transport is not None and not callable(getattr(transport, "call", None)):
+        raise TypeError(f"set_transport expects a Transport (with call(worker, fn, args, "
+                        f"timeout) and local_name()), got {type(transport).__name__}")
+    _transport = transport if transport is not None else AutoTransport()

@@ -11,6 +11,14 @@ of the whole session), and its processes are joined, terminated or killed;
 the tests that use it are collected back to back (first in this directory),
 whichever files they are in.
 
+The Ray backend (the conformance suite, test_conformance.py, runs against
+both): ONE local Ray instance (``ray.init(num_cpus=2)``) with two server
+actors of the same names serving the same experts, started by the first test
+that needs it (fixture ``ray_world``, skipped when ``ray`` is not importable)
+and shut down (actors, then ``ray.shutdown()``: no process left) right after
+the last one. Tests of the RPC world run first, then those of Ray, so the two
+engines are never up together.
+
 Options: ``--plans N`` runs N random fault plans (test_fault_plans.py) on
 top of the fixed ones; ``--plans-seed S`` replays the random plans of seed S
 (the run prints the seed it used). Pass them with this directory on the
@@ -55,6 +63,58 @@ def _warm_up_client() -> None:
     sum(o.sum() for o in outs).backward()
 
 
+_ray: Dict[str, Any] = {}
+RAY_TIMEOUT_S = 30.0  # RayTransport's own timeout in the tests (rpc_timeout's twin)
+
+
+def _shutdown_ray() -> None:
+    if _ray.get("closed", True):
+        return
+    _ray["closed"] = True
+    import ray
+
+    for server in _ray.get("servers", ()):
+        server.kill()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def ray_world() -> Iterator[Dict[str, Any]]:
+    """The shared local Ray instance: ``servers``, its server actors ``srv-a``
+    and ``srv-b`` (RayExpertServers) serving what the RPC world's servers
+    serve, and ``transport``, a RayTransport whose own timeout is
+    :data:`RAY_TIMEOUT_S` (as the RPC world's ``rpc_timeout``)."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    if "closed" in _ray:
+        pytest.fail("the shared Ray instance was already shut down; keep its tests together")
+    import ray
+
+    from moe_autograd.remote.ray_backend import RayTransport, start_servers
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    old = os.environ.get("PYTHONPATH")
+    # Ray's workers inherit the environment of the raylet that ray.init starts.
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
+    _ray["closed"] = False
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, namespace="moe_autograd_tests")
+        _ray["servers"] = start_servers([(name, "remote_experts:setup_servers")
+                                         for name in SERVERS], ready_timeout=90.0)
+    except BaseException:
+        _shutdown_ray()
+        raise
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+    _ray["transport"] = RayTransport(timeout=RAY_TIMEOUT_S)
+    _warm_up_client()
+    yield {"servers": tuple(_ray["servers"]), "transport": _ray["transport"]}
+    _shutdown_ray()
+
+
 @pytest.fixture(scope="session")
 def world() -> Iterator[Tuple[str, ...]]:
     if "processes" in _world:
@@ -85,19 +145,34 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="the seed of the random fault plans (default: a fresh one, printed)")
 
 
+def _backend(item: Any) -> Any:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("backend") if callspec is not None else None
+
+
+def _uses_world(item: Any) -> bool:
+    return "world" in getattr(item, "fixturenames", ()) or _backend(item) == "rpc"
+
+
+def _uses_ray(item: Any) -> bool:
+    return "ray_world" in getattr(item, "fixturenames", ()) or _backend(item) == "ray"
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Runs this directory's tests that use the shared world back to back
-    (first, in their collected order), so that the world, shut down after
-    the last of them, serves them all whichever files they are in."""
+    (first, in their collected order), then those that use the shared Ray
+    instance, so that each, shut down after the last of its tests, serves
+    them all whichever files they are in."""
     here = os.path.dirname(os.path.abspath(__file__))
     slots = [k for k, item in enumerate(items) if str(item.path).startswith(here + os.sep)]
     mine = [items[k] for k in slots]
-    mine.sort(key=lambda item: "world" not in getattr(item, "fixturenames", ()))  # stable
+    mine.sort(key=lambda item: 0 if _uses_world(item) else 1 if _uses_ray(item) else 2)  # stable
     for k, item in zip(slots, mine):
         items[k] = item
 
 
 def pytest_runtest_teardown(item: pytest.Item, nextitem: Any) -> None:
-    uses = "world" in getattr(item, "fixturenames", ())
-    if uses and (nextitem is None or "world" not in getattr(nextitem, "fixturenames", ())):
+    if _uses_world(item) and (nextitem is None or not _uses_world(nextitem)):
         _shutdown()
+    if _uses_ray(item) and (nextitem is None or not _uses_ray(nextitem)):
+        _shutdown_ray()

@@ -3,13 +3,14 @@ and client processes that the tests spawn; not a test module)."""
 import os
 import threading
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_autograd.remote import ExpertServer, RemoteExpert
+from moe_autograd.remote.transport import Transport, get_transport
 
 WIDTH = 8
 _barrier = threading.Barrier(4, timeout=10.0)
@@ -361,3 +362,105 @@ def cpu_seconds() -> float:
     """RPC helper: this process's CPU seconds (user + system, all threads)."""
     times = os.times()
     return times.user + times.system
+
+
+# -- a killed server, on either backend (test_conformance.py) ----------------------------
+def kill_experts() -> Dict[str, nn.Module]:
+    """What the doomed server of the kill case serves ("lin" on the live one too)."""
+    return {"lin": nn.Linear(WIDTH, WIDTH), "k_slow": Sleepy(5.0, fwd=True, bwd=False)}
+
+
+def killed_server_steps(transport: Any, live: str, doomed: str, kill: Any,
+                        deadline: float = 3.0) -> Dict[str, Any]:
+    """Two ``MixtureOfExperts`` steps over experts on ``live`` and ``doomed``:
+    ``kill()`` kills ``doomed`` 0.5 s into the first (its ``k_slow`` call is
+    running then, its ``lin`` answered), the second runs with it dead. Reports
+    per step: (seconds, forward failures + timeouts per expert, output finite,
+    input gradient finite)."""
+    from moe_autograd.moe import MixtureOfExperts
+
+    experts = [RemoteExpert(live, "lin", transport=transport),
+               RemoteExpert(doomed, "lin", transport=transport),
+               RemoteExpert(doomed, "k_slow", transport=transport)]
+    moe = MixtureOfExperts(experts, WIDTH, k=3, k_min=1, backward_k_min=1,
+                           forward_timeout=deadline, backward_timeout=deadline)
+    report: Dict[str, Any] = {}
+    for step in ("killed_mid_step", "dead"):
+        x = torch.randn(8, WIDTH, requires_grad=True)
+        timer = threading.Timer(0.5, kill) if step == "killed_mid_step" else None
+        start = time.monotonic()
+        if timer is not None:
+            timer.start()
+        y, aux = moe(x)
+        (y.sum() + aux).backward()
+        elapsed = time.monotonic() - start
+        if timer is not None:
+            timer.join()
+        masked = [int(s["failures"]) + int(s["timeouts"]) for s in moe.stats()]
+        report[step] = (elapsed, masked, bool(torch.isfinite(y).all()),
+                        x.grad is not None and bool(torch.isfinite(x.grad).all()))
+    return report
+
+
+def kill_world_client(port: int, doomed_pid: int, queue: Any) -> None:
+    """Client (rank 0 of 3) of the RPC kill world: :func:`killed_server_steps`
+    with servers 'srv-l' (live) and 'srv-k' (killed with SIGKILL)."""
+    import signal
+
+    from torch.distributed import rpc
+
+    from moe_autograd.remote.loopback import backend_options
+    from moe_autograd.remote.transport import RpcTransport
+
+    rpc.init_rpc("client", rank=0, world_size=3, rpc_backend_options=backend_options(port))
+    report: Dict[str, Any] = {}
+    try:
+        report = killed_server_steps(RpcTransport(), "srv-l", "srv-k",
+                                     lambda: os.kill(doomed_pid, signal.SIGKILL))
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        report = {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        queue.put(report)
+        rpc.shutdown(graceful=False)
+
+
+def fleet_experts() -> Dict[str, nn.Module]:
+    """The replicas of the Ray fleet test: the same parameters on every server."""
+    torch.manual_seed(0)
+    return {"f_lin": nn.Linear(WIDTH, WIDTH)}
+
+
+_COUNTED = ("serve_batch", "serve_collect", "serve_forward", "serve_backward")
+
+
+class Counting:
+    """``inner`` (default: the current transport), recording each call message
+    as (worker, function)."""
+
+    name = "counting"
+
+    def __init__(self, inner: Optional[Transport] = None) -> None:
+        self.inner: Transport = get_transport() if inner is None else inner
+        self.sent: List[Tuple[str, str]] = []
+        self._lock = threading.Lock()
+
+    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
+             timeout: Optional[float]) -> Any:
+        if fn.__name__ in _COUNTED:
+            with self._lock:
+                self.sent.append((worker, fn.__name__))
+        return self.inner.call(worker, fn, args, timeout)
+
+    def local_name(self) -> str:
+        return self.inner.local_name()
+
+    def default_timeout(self) -> Optional[float]:
+        return self.inner.default_timeout()  # type: ignore[attr-defined, no-any-return]
+
+    def take(self) -> Dict[str, List[str]]:
+        with self._lock:
+            sent, self.sent = self.sent, []
+        by_worker: Dict[str, List[str]] = {}
+        for worker, fn in sent:
+            by_worker.setdefault(worker, []).append(fn)
+        return by_worker

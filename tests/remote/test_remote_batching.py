@@ -26,7 +26,6 @@ from moe_autograd.remote.batch_server import serve_batch, serve_collect
 from moe_autograd.remote.transport import Transport, TransportTimeout, get_transport
 
 pytestmark = pytest.mark.timeout(60)
-_COUNTED = ("serve_batch", "serve_collect", "serve_forward", "serve_backward")
 
 
 def rpc_sync(worker: str, fn: Any, *args: Any) -> Any:
@@ -42,39 +41,6 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.02)
     return predicate()
-
-
-class Counting:
-    """The default transport, recording each call message as (worker, function)."""
-
-    name = "counting"
-
-    def __init__(self) -> None:
-        self.inner: Transport = get_transport()
-        self.sent: List[Tuple[str, str]] = []
-        self._lock = threading.Lock()
-
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> Any:
-        if fn.__name__ in _COUNTED:
-            with self._lock:
-                self.sent.append((worker, fn.__name__))
-        return self.inner.call(worker, fn, args, timeout)
-
-    def local_name(self) -> str:
-        return self.inner.local_name()
-
-    def default_timeout(self) -> Optional[float]:
-        return self.inner.default_timeout()  # type: ignore[attr-defined, no-any-return]
-
-    def take(self) -> Dict[str, List[str]]:
-        """The messages sent since the last take, by worker."""
-        with self._lock:
-            sent, self.sent = self.sent, []
-        by_worker: Dict[str, List[str]] = {}
-        for worker, fn in sent:
-            by_worker.setdefault(worker, []).append(fn)
-        return by_worker
 
 
 @pytest.fixture
@@ -96,7 +62,7 @@ def local_copy(expert: RemoteExpert, module: nn.Module) -> nn.Module:
 # -- one request per worker per pass ---------------------------------------------------
 @pytest.mark.parametrize("prefix", ["", "sf_"])
 def test_parallel_apply_sends_one_request_per_worker_and_pass(world, lingering, prefix: str) -> None:
-    t = Counting()
+    t = rx.Counting()
     lin_a, lin_b = (RemoteExpert(w, prefix + "lin", transport=t) for w in ("srv-a", "srv-b"))
     two = RemoteExpert("srv-a", prefix + "two", transport=t)
     experts = [lin_a, lin_b, two, lin_a, lin_b]  # lin_a twice: one module, two calls
@@ -129,7 +95,7 @@ def test_parallel_apply_sends_one_request_per_worker_and_pass(world, lingering, 
 
 
 def test_map_and_moe_send_one_request_per_worker_and_pass(world, lingering) -> None:
-    t = Counting()
+    t = rx.Counting()
     experts = [RemoteExpert(w, "sf_lin", transport=t) for w in ("srv-a", "srv-a", "srv-b")]
     locals_ = [local_copy(e, nn.Linear(rx.WIDTH, rx.WIDTH)) for e in experts]
     xs = [torch.randn(2, rx.WIDTH, requires_grad=True) for _ in experts]
@@ -155,7 +121,7 @@ def test_map_and_moe_send_one_request_per_worker_and_pass(world, lingering) -> N
 
 # -- per-call semantics under coalescing -------------------------------------------------
 def test_a_failing_or_late_call_fails_only_itself(world) -> None:
-    t = Counting()
+    t = rx.Counting()
     experts = [RemoteExpert("srv-b", "lin", transport=t),
                RemoteExpert("srv-b", "failing", transport=t),
                RemoteExpert("srv-b", "slow", forward_timeout=0.5, transport=t),  # sleeps 2 s

@@ -1,0 +1,78 @@
+"""``python -m moe_autograd serve --engine ray``: a server process that joins a
+running Ray cluster (the shared local instance, by its address), serves its
+experts as a named actor, drains on SIGTERM and takes its actor along when
+killed."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict
+
+import pytest
+import torch
+
+from moe_autograd.remote import RemoteExpert, RemoteExpertError
+
+pytestmark = pytest.mark.timeout(90)
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _serve(name: str, address: str, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "moe_autograd", "serve", "--engine", "ray", "--address", address,
+           "--experts", "remote_experts:cli_experts", "--name", name, "--drain-timeout", "1",
+           "--backward", "stateful"]
+    return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+
+def _wait_until_serving(process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the server exited with {process.returncode}: " \
+            f"{log.read_text()}"
+        if " serves " in log.read_text():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"not serving after {timeout} s: {log.read_text()}")
+
+
+def test_serve_engine_ray_sigterm_and_kill(ray_world: Dict[str, Any], tmp_path: Path) -> None:
+    import ray
+
+    transport = ray_world["transport"]
+    address = ray.get_runtime_context().gcs_address
+    servers = [_serve(n, address, tmp_path / f"{n}.log") for n in ("cli-t", "cli-k")]
+    try:
+        for name, process in zip(("cli-t", "cli-k"), servers):
+            _wait_until_serving(process, tmp_path / f"{name}.log")
+        x = torch.randn(2, 4, requires_grad=True)
+        for name in ("cli-t", "cli-k"):
+            expert = RemoteExpert(name, "lin", transport=transport, forward_timeout=10.0)
+            expert(x).sum().backward()
+            assert expert.remote_stats()["backward"] == "stateful"
+        servers[0].send_signal(signal.SIGTERM)
+        assert servers[0].wait(timeout=30) == 0
+        servers[1].kill()  # kill -9: Ray ends the actor its owner held
+        servers[1].wait(timeout=10)
+        for name in ("cli-t", "cli-k"):
+            started = time.monotonic()
+            deadline = started + 30.0
+            while True:  # Ray notices the owner's death within seconds
+                try:
+                    RemoteExpert(name, "lin", transport=transport, forward_timeout=3.0)(x)
+                except RemoteExpertError as error:
+                    assert repr(name) in str(error)
+                    break
+                assert time.monotonic() < deadline, f"{name} still serves"
+                time.sleep(0.2)
+    finally:
+        for process in servers:
+            if process.poll() is None:
+                process.kill()
+            process.wait(10)
+    log = (tmp_path / "cli-t.log").read_text()
+    assert "signal received, draining" in log and "stopped" in log, log

@@ -1,0 +1,84 @@
+"""The elastic fleet on Ray's membership (RayFleet + FleetExpert): discovery by
+name, replicas with forward retry, backward to the replica holding the state,
+drain on leave, a killed server masked, a replacement serving."""
+import os
+import signal
+import threading
+import time
+from typing import Any, Dict
+
+import pytest
+import torch
+from torch import nn
+
+import remote_experts as rx
+from moe_autograd.moe import MixtureOfExperts
+from moe_autograd.remote.ray_backend import RayExpertServer, start_servers
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any]) -> None:
+    from moe_autograd.remote.ray_fleet import RayFleet
+
+    servers = start_servers([("fl-1", "remote_experts:fleet_experts"),
+                             ("fl-2", "remote_experts:fleet_experts")],
+                            backward="stateful", ready_timeout=60.0)
+    fleet = RayFleet(poll=0.1, transport=ray_world["transport"])
+    extra = []
+    try:
+        fleet.wait_for(["f_lin"], timeout=20.0, replicas=2)
+        assert fleet.replicas("f_lin") == ["fl-1", "fl-2"]  # discovery by name, oldest first
+        expert = fleet.expert("f_lin", forward_timeout=5.0, backward_timeout=5.0)
+        local = rx.fleet_experts()["f_lin"]
+        x = torch.randn(3, rx.WIDTH, requires_grad=True)
+        lx = x.detach().clone().requires_grad_()
+        out = expert(x)
+        assert expert.last_worker == "fl-1"
+        local(lx).sum().backward()
+        out.sum().backward()
+        assert torch.equal(out, local(lx).detach()) and torch.equal(x.grad, lx.grad)
+
+        # kill -9 of the replica in use: the next forward retries on the other one
+        os.kill(servers[0].pid, signal.SIGKILL)
+        started = time.monotonic()
+        out = expert(torch.randn(2, rx.WIDTH))
+        assert expert.last_worker == "fl-2" and time.monotonic() - started < 5.0
+        # a MixtureOfExperts over the fleet runs on (the dead replica is skipped)
+        moe = MixtureOfExperts([expert, fleet.expert("f_lin", forward_timeout=5.0)], rx.WIDTH,
+                               k=2, forward_timeout=5.0, backward_timeout=5.0)
+        y, aux = moe(torch.randn(4, rx.WIDTH, requires_grad=True))
+        (y.sum() + aux).backward()
+        assert all(s["failures"] == 0 and s["timeouts"] == 0 for s in moe.stats()), moe.stats()
+
+        # a replacement joins and is chosen once the dead one is forgotten
+        extra.append(RayExpertServer("fl-3", "remote_experts:fleet_experts",
+                                     backward="stateful", ready_timeout=60.0))
+        fleet.wait_for(["f_lin"], timeout=20.0, replicas=2)
+        deadline = time.monotonic() + 20.0
+        while "fl-1" in fleet.servers() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert fleet.replicas("f_lin") == ["fl-2", "fl-3"]
+
+        # drain on leave: a held state is still served; no new call goes there
+        x = torch.randn(2, rx.WIDTH, requires_grad=True)
+        out = expert(x)  # on fl-2 (last served), state held there
+        assert expert.last_worker == "fl-2"
+        result: Dict[str, Any] = {}
+        leaving = threading.Thread(target=lambda: result.update(servers[1].leave(
+            drain_timeout=10.0, linger=0.5)))
+        leaving.start()
+        deadline = time.monotonic() + 10.0
+        while "fl-2" in fleet.replicas("f_lin") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fleet.replicas("f_lin") == ["fl-3"]  # unpublished while draining
+        assert expert(torch.randn(2, rx.WIDTH)).shape == (2, rx.WIDTH)
+        assert expert.last_worker == "fl-3"
+        out.sum().backward()  # the backward goes to fl-2, which still holds the state
+        assert x.grad is not None
+        leaving.join(20.0)
+        assert result == {"in_flight": 0, "live": 0}, result
+    finally:
+        fleet.shutdown()
+        for server in servers + extra:
+            server.kill()
