@@ -82,7 +82,7 @@ def wait_dead() -> Callable[..., List[bool]]:
 
 
 # Files that test the parallel node itself: auto mode would run a site's
-# calls inline from its third batch on (a plain loop), so they force the
+# calls inline from its second batch on (a plain loop), so they force the
 # fan-out; tests/test_policy.py shows every mode gives the same bits.
 PARALLEL_NODE_FILES = {"test_autograd", "test_parallel", "test_parallel_checkpoint",
                        "test_stress", "test_parallel_skip", "test_function_db",

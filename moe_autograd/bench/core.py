@@ -19,7 +19,11 @@
     16 MLP experts (256 -> 1024 -> ReLU -> 256), 64 tokens each, forward +
     backward through :func:`~moe_autograd.parallel_apply` vs a Python loop,
     goal <= 1.0x; ``compute/loaded`` the same while another process spins one
-    core (in both arms), goal <= 1.1x; ``compute/parallel`` forced fan-out.
+    core (in both arms), goal <= 1.1x; ``compute/parallel`` forced fan-out;
+    ``compute/cold`` the first :data:`COLD_BATCHES` batches of a new site
+    (auto mode forgets the site before each sample: its first batch fans out
+    and is measured, the rest run in the mode it picks) vs as many loop
+    steps, goal <= 1.1x.
 """
 import subprocess
 import sys
@@ -32,14 +36,16 @@ from torch import Tensor, nn
 
 from ..autograd import map_with_parallel_backward, run_isolated_backward, run_isolated_forward
 from ..parallel import parallel_apply
+from ..policy import _forget, site_of
 from .measure import Plan, Row, compare, measure
 
 __all__ = ["bench_latency", "bench_overhead", "bench_compute", "backward_all",
-           "LATENCY_CALLS", "LATENCY_S", "OVERHEAD_CALLS"]
+           "LATENCY_CALLS", "LATENCY_S", "OVERHEAD_CALLS", "COLD_BATCHES"]
 
 LATENCY_CALLS = 32
 LATENCY_S = 0.005
 OVERHEAD_CALLS = 64
+COLD_BATCHES = 8
 
 
 def backward_all(outs: Sequence[Tensor]) -> None:
@@ -151,12 +157,13 @@ def bench_overhead(quick: bool) -> List[Row]:
                     f"per call; mode='parallel' forced (every call on a worker)", scale=1 / n)]
 
 
-def _mode_of(site: str) -> str:
-    """The mode auto mode ran a site in last (see moe_autograd.policy)."""
+def _mode_of(site: str, what: str = "mode") -> str:
+    """The mode auto mode ran a site in last (see moe_autograd.policy), or
+    another of its ``execution_stats`` entries."""
     from ..policy import execution_stats
     for stats in execution_stats():
         if stats["site"] == site:
-            return str(stats["mode"])
+            return str(stats[what])
     return "?"
 
 
@@ -202,4 +209,28 @@ def bench_compute(quick: bool) -> List[Row]:
     rows.append(compare("compute/loaded", loaded, "loop", "ours", 1.1,
                         f"{what}; another process spins one core in both arms; "
                         f"auto: {_mode_of('Sequential')}"))
+    rows.append(_bench_cold(quick, experts, ours, loop, what))
     return rows
+
+
+def _bench_cold(quick: bool, experts: List[nn.Module], ours: Any, loop: Any,
+                what: str) -> Row:
+    """The first COLD_BATCHES batches of a new site in auto mode (the site
+    forgotten before each sample) vs as many loop steps."""
+    plan = Plan.pick(quick, Plan(warmup=1, reps=10), Plan(warmup=1, reps=2))
+    site = site_of(experts)
+
+    def cold() -> None:
+        _forget(site)  # a new site: its first batch fans out and is measured
+        for _ in range(COLD_BATCHES):
+            ours()
+
+    def loops() -> None:
+        for _ in range(COLD_BATCHES):
+            loop()
+
+    s = measure({"ours": cold, "loop": loops}, plan.reps, plan.warmup)
+    return compare("compute/cold", s, "loop", "ours", 1.1,
+                   f"{what}; the first {COLD_BATCHES} batches of a new site, auto, vs "
+                   f"{COLD_BATCHES} loop steps; batches by mode in the last sample: "
+                   f"{_mode_of('Sequential', 'batches')}")

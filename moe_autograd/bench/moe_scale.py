@@ -9,7 +9,14 @@ backward of one step, 4,096 tokens, d = 512, SwiGLU experts with hidden
 1,024, k = 2; 8, 64 and 256 experts show how the cost grows with the expert
 count (the runtime's per-call cost, and the combine, which must not grow as
 experts x tokens x d). Goal: ours <= 1.0 x the loop at 64 experts.
+
+``moe-scale/64-peak-rss``: the high-water mark of the process's resident
+memory over two such steps, each arm in a fresh process of its own (the
+same model, seed and input), the interpreter's and torch's own footprint
+included in both. Goal: ours <= the loop's + 5%.
 """
+import multiprocessing
+import resource
 from typing import Any, Dict, List
 
 import torch
@@ -17,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..moe import MixtureOfExperts
-from .measure import Plan, Row, compare, measure
+from .measure import Plan, Row, compare, measure, row
 
 __all__ = ["bench_moe_scale", "SwiGLU", "LoopBlock"]
 
@@ -55,6 +62,39 @@ class LoopBlock(nn.Module):
         return out
 
 
+def _build(count: int, tokens: int) -> Any:
+    d, hidden, k = 512, 1024, 2
+    torch.manual_seed(0)
+    experts = [SwiGLU(d, hidden) for _ in range(count)]
+    moe = MixtureOfExperts(experts, d, k=k)
+    return moe, LoopBlock(moe.gate, moe.experts, k), torch.randn(tokens, d)
+
+
+def _peak_rss_mib(arm: str, count: int, tokens: int) -> float:
+    """In a fresh process: two fwd+bwd steps of one arm; the peak RSS."""
+    moe, loop, x = _build(count, tokens)
+    for _ in range(2):
+        if arm == "ours":
+            y, aux = moe(x)
+            (y.square().mean() + aux).backward()
+        else:
+            loop(x).square().mean().backward()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def _peak_rss_row(count: int, tokens: int) -> Row:
+    context = multiprocessing.get_context("spawn")
+    peaks: Dict[str, float] = {}
+    with context.Pool(1, maxtasksperchild=1) as pool:
+        for arm in ("loop", "ours"):
+            peaks[arm] = pool.apply(_peak_rss_mib, (arm, count, tokens))
+    return row(f"moe-scale/{count}-peak-rss", peaks["loop"], peaks["ours"],
+               peaks["ours"] / peaks["loop"], 1.05,
+               f"peak resident memory of a fresh process over two fwd+bwd steps, each arm in "
+               f"its own process (interpreter and torch included); {count} experts, {tokens} "
+               "tokens", unit="MiB")
+
+
 def bench_moe_scale(quick: bool) -> List[Row]:
     plan = Plan.pick(quick, Plan(warmup=1, reps=4), Plan(warmup=1, reps=2))
     tokens, d, hidden, k = (1024 if quick else 4096), 512, 1024, 2
@@ -80,4 +120,5 @@ def bench_moe_scale(quick: bool) -> List[Row]:
                             1.0 if count == 64 else None,
                             f"{count} SwiGLU experts {d}-{hidden}, {tokens} tokens, k={k}, "
                             "fwd+bwd; baseline = Mixtral-style loop block, same gate and experts"))
+    rows.append(_peak_rss_row(64, tokens))
     return rows
