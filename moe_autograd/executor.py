@@ -95,6 +95,7 @@ class TaskGroup(Generic[T]):
         # it at each of n completions costs n GIL hand-offs.
         self._waiters = 0
         self._watchers = 0
+        self._awaited: Set[int] = set()  # calls a waiter waits for (wait_for)
         self._pool = pool
 
     def __len__(self) -> int:
@@ -127,7 +128,7 @@ class TaskGroup(Generic[T]):
         with self._lock:
             self._state[i] = state
             self._remaining -= 1
-            if self._watchers or (self._waiters and not self._remaining):
+            if self._watchers or (self._waiters and not self._remaining) or i in self._awaited:
                 self._cond.notify_all()
 
     def complete(self, i: int, result: Optional[T] = None,
@@ -198,7 +199,21 @@ class TaskGroup(Generic[T]):
                 pass
         if self.done(i):
             return True
-        return self.wait(timeout, help=False, until=lambda: self.done(i))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._awaited.add(i)  # woken by call i's end only, not by every call's
+            try:
+                while not self.done(i):
+                    if deadline is None:
+                        self._cond.wait()
+                        continue
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+            finally:
+                self._awaited.discard(i)
+        return True
 
     def cancel(self) -> None:
         """Calls that have not started never will; running ones finish alone."""

@@ -254,8 +254,17 @@ class ModuleCall(IsolatedCall):
         if self.checkpoint:
             assert self._leaves is not None
             self._versions = self._input_versions()
+            constant = [v for v in self._leaves if isinstance(v, Tensor) and not v.requires_grad]
             with torch.no_grad(), enable_checkpointing(), self.rng.activate():
                 result = self._call()
+            if any(v.requires_grad for v in constant):
+                # The loop tracks such an input from the requires_grad_() on;
+                # a recomputation would track it from the start of the call.
+                raise RuntimeError(
+                    f"{self.name}: the checkpointed expert called requires_grad_() on an input "
+                    "that did not require grad; its recomputation cannot reproduce where the "
+                    "loop starts tracking it: pass it requiring grad, or call this expert "
+                    "with checkpoint=False")
         else:
             first = _next_sequence_nr() if torch.is_grad_enabled() else None
             with self.rng.activate():

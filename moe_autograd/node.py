@@ -373,6 +373,7 @@ class _ParallelNode(torch.autograd.Function):
             return (None, *_node_order(plan, [None, *tokens, *[None] * n_flat]))
         input_grads: List[Grads] = [[None] * len(call.inputs) for call in calls]
         try:
+            backward.join()  # one wake-up for all (nothing streams to wait call by call)
             for i in reversed(backward.active):
                 input_grads[i] = backward.grads_of(i)
         finally:
@@ -658,6 +659,15 @@ class _Pass:
         return TimeoutError(f"{self.plan.name} backward: call {i} of {len(self.plan.calls)} "
                             f"missed the {policy.timeout if policy else None}s deadline")
 
+    def join(self) -> None:
+        """Waits until every call is done (helping), or a deadline passed
+        (its stragglers cancelled)."""
+        group = self.group
+        if self.strict or self.inline:
+            group.wait()
+        elif not group.wait(self._left(), help=self.deadline is None):
+            group.cancel()
+
     def finish(self, check: bool = True) -> None:
         """Joins every call, puts every hook back, runs the policy's check
         (see the lifecycle)."""
@@ -667,10 +677,7 @@ class _Pass:
             self._finished = True
         group = self.group
         try:
-            if self.strict or self.inline:
-                group.wait()
-            elif not group.wait(self._left(), help=self.deadline is None):
-                group.cancel()
+            self.join()
         finally:
             self._muted.restore_all()
             for saves in self._saves.values():

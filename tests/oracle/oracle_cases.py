@@ -264,6 +264,9 @@ def constructs(case: Case) -> FrozenSet[str]:
             names.add("checkpoint+post:in_add_")
         if any(flags[i] and "input_inplace" in c.stages for i, c in enumerate(case.calls)):
             names.add("checkpoint+stage:input_inplace")
+        if any(flags[i] and "requires_grad_" in c.stages and c.x_kind == "leaf"
+               for i, c in enumerate(case.calls)):
+            names.add("checkpoint+stage:requires_grad_")
     return frozenset(names)
 
 

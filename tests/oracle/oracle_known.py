@@ -42,6 +42,9 @@ RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
     "checkpoint+post:in_add_",
     # The same, by the checkpointed expert itself (an in-place op on its input).
     "checkpoint+stage:input_inplace",
+    # requires_grad_() by a checkpointed expert on an input that did not
+    # require grad: "the checkpointed expert called requires_grad_() ..." (was D7b).
+    "checkpoint+stage:requires_grad_",
 })
 
 
@@ -111,15 +114,6 @@ KNOWN_DIVERGENCES: List[Known] = [
            "autograd_grad", "backward", "fail.outcome"),
           ("value", "unexpected_error", "missing_error"),
           witnesses=((0, 140), (0, 322), (0, 468))),
-    Known("D7b-requires-grad-in-checkpointed-call",
-          "x.requires_grad_() inside a checkpointed call: the recomputation tracks x from the "
-          "start (the loop only from the requires_grad_ on), wrong input gradients",
-          lambda c: any(c.checkpoint_of(i) and "requires_grad_" in s.stages
-                        and s.x_kind == "leaf" for i, s in enumerate(c.calls))
-          and c.grad_mode == "grad",
-          ("grads", "autograd_grad.values", "grads2", "after_step", "backward"),
-          ("value", "missing_error"),
-          witnesses=((0, 293), (0, 698), (1, 316))),
     Known("D7c-requires-grad-on-returned-input",
           "x.requires_grad_() inside an expert that returns x (or a view of it): the "
           "caller's output does not require grad",
