@@ -27,7 +27,7 @@ import copy
 import dataclasses
 import functools
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -485,6 +485,11 @@ def _restore(world: World, saved: Tuple[Any, ...]) -> None:
         t.grad = g
 
 
+#: The loop side's ``_grads_changed`` of a case, for its runtime side
+#: (``run_case`` runs the loop first).
+_LOOP_PARTIAL: Dict[Tuple[int, int], Set[int]] = {}
+
+
 def _grads_changed(saved: Tuple[Any, ...], failing: Any) -> List[int]:
     """Positions of the tensors whose ``.grad`` a failed backward changed,
     but the failing module's parameters (the loop may accumulate those of
@@ -650,10 +655,17 @@ def _failing_iteration(world: World, log: Log) -> None:
         names = [f"call {i} of {case.n}" for i, m in enumerate(world.modules) if m is armed]
         log.add("fail.names_call",
                 any(n in outcome.text for n in names) if log.side == RUNTIME else True)
-        # A failed backward writes the .grad of what it reached before the
-        # failure, as the loop's: the calls after the failing one (parameter
-        # gradients stream in the loop's order), never the failing call's.
-        log.add("fail.partial_grads", _grads_changed(saved, armed))
+        # A failed backward may write the .grad of what it reached before the
+        # failure (parameter gradients stream in the loop's order), never the
+        # failing call's, and never one the loop's failed backward left alone
+        # (the loop may write more: its engine interleaves the calls' nodes).
+        changed = set(_grads_changed(saved, armed))
+        if log.side == LOOP:
+            _LOOP_PARTIAL[(case.seed, case.index)] = changed
+            log.add("fail.partial_grads_within_loop", True)
+        else:
+            loop_changed = _LOOP_PARTIAL.pop((case.seed, case.index), set())
+            log.add("fail.partial_grads_within_loop", changed <= loop_changed)
     log.hooks.clear()  # the loop's hooks may fire before the failure, the runtime's not
     _restore(world, saved)
 
