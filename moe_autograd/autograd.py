@@ -209,7 +209,6 @@ class _FunctionCall(IsolatedCall):
             self.dirty = [(output_at[id(t)], input_at[id(t)]) for t in ctx.dirty_tensors
                           if id(t) in output_at and id(t) in input_at]
         self.aliases = _aliases(self.outputs, input_at, {n for n, _ in self.dirty})
-        self.output_meta = [(o.shape, o.dtype, o.device) for o in self.outputs]
 
     def _name(self) -> str:
         return f"{self.func.__name__} (call {self.index} of {self.count})"
@@ -241,11 +240,6 @@ class _FunctionCall(IsolatedCall):
         ctx = self.ctx
         if ctx is None:
             raise RuntimeError(f"{self._name()}: backward after its state was freed")
-        if self.materialize_grads and any(g is None for g in grad_outputs):
-            # As apply: zeros for every output without a gradient, integer ones too.
-            grad_outputs = [
-                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                for g, (shape, dtype, device) in zip(grad_outputs, self.output_meta)]
         if len(self.output_positions) == len(self.results):
             return run_isolated_backward(self.func, ctx, *grad_outputs)
         grads_by_output: List[Optional[Tensor]] = [None] * len(self.results)

@@ -171,24 +171,16 @@ class TaskGroup(Generic[T]):
                 pass
         if not self._remaining:
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             watching = until is not None
             self._waiters += 1
             self._watchers += watching
             try:
-                while self._remaining and not (until is not None and until()):
-                    if deadline is None:
-                        self._cond.wait()
-                        continue
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+                return self._sleep_until(
+                    lambda: not self._remaining or (until is not None and until()), timeout)
             finally:
                 self._waiters -= 1
                 self._watchers -= watching
-        return True
 
     def wait_for(self, i: int, timeout: Optional[float] = None, *, help: bool = True) -> bool:
         """Waits until call ``i`` is done; True unless ``timeout`` seconds
@@ -199,20 +191,25 @@ class TaskGroup(Generic[T]):
                 pass
         if self.done(i):
             return True
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._awaited.add(i)  # woken by call i's end only, not by every call's
             try:
-                while not self.done(i):
-                    if deadline is None:
-                        self._cond.wait()
-                        continue
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    self._cond.wait(left)
+                return self._sleep_until(lambda: self.done(i), timeout)
             finally:
                 self._awaited.discard(i)
+
+    def _sleep_until(self, ready: Callable[[], bool], timeout: Optional[float]) -> bool:
+        """Under ``_cond``: sleeps until ``ready()``; False if ``timeout``
+        seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not ready():
+            if deadline is None:
+                self._cond.wait()
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._cond.wait(left)
         return True
 
     def cancel(self) -> None:

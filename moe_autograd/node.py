@@ -211,7 +211,7 @@ class _Plan:
         gradient node still holds them (streaming: each call lives until its
         node is freed too)."""
         self.freed = True
-        for i, call in enumerate(self.calls):
+        for i in range(len(self.calls)):
             if not (self.streams and not self.constant[i]):
                 self.release_call(i)
 
@@ -358,7 +358,7 @@ class _ParallelNode(torch.autograd.Function):
                 continue
             if call.materialize_grads:
                 for k, (shape, dtype, device) in enumerate(meta):
-                    if grads[k] is None and (dtype.is_floating_point or dtype.is_complex):
+                    if grads[k] is None:  # as apply: integer outputs too
                         grads[k] = torch.zeros(shape, dtype=dtype, device=device)
             per_call.append(grads)
         backward = _Pass(plan, per_call)
@@ -456,18 +456,18 @@ class _Muted:
             mine: List[int] = []
             for t in calls[i].inputs:
                 hooks = t._backward_hooks if t.is_leaf else None
-                if not hooks and not (hooks is not None and id(hooks) in self._entries):
+                if hooks is None or id(hooks) in mine:
                     continue
                 key = id(hooks)
-                if key in mine:
+                entry = self._entries.get(key)
+                if entry is not None:  # muted by another call (so empty now)
+                    entry[2] += 1
+                elif hooks:
+                    self._entries[key] = [hooks, list(hooks.items()), 1]
+                    hooks.clear()
+                else:
                     continue
                 mine.append(key)
-                entry = self._entries.get(key)
-                if entry is None:
-                    self._entries[key] = [hooks, list(hooks.items()), 1]  # type: ignore[union-attr]
-                    hooks.clear()  # type: ignore[union-attr]
-                else:
-                    entry[2] += 1
             self._of_call[i] = mine
 
     def done(self, i: int) -> None:
@@ -568,7 +568,7 @@ class _Pass:
                     # A tolerant caller must see a malformed result as this call's failure.
                     return raw if strict else _check_grads(plan, i, call, call.input_grads(raw))
                 except BaseException as error:
-                    error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                    error.add_note(self._where(i))
                     raise
             return bind(state, run)
 
@@ -582,7 +582,7 @@ class _Pass:
                 except Exception as failure:  # noqa: BLE001 - this call's own failure
                     error = failure
             if error is not None:
-                error.add_note(f"{plan.name} backward: call {i} of {len(calls)}")
+                error.add_note(self._where(i))
             return raw, error
 
         lanes = 1 if self.inline else plan.lanes
@@ -608,7 +608,7 @@ class _Pass:
                 try:
                     grads = _check_grads(plan, i, call, call.input_grads(group.results[k]))
                 except BaseException as failure:
-                    failure.add_note(f"{plan.name} backward: call {i} of {len(plan.calls)}")
+                    failure.add_note(self._where(i))
                     error = failure
             if error is not None:
                 self._fail()
@@ -654,10 +654,13 @@ class _Pass:
         if len(self._gone) == len(self.position) and self._gone != self._taken:
             self.finish(check=False)
 
+    def _where(self, i: int) -> str:
+        return f"{self.plan.name} backward: call {i} of {len(self.plan.calls)}"
+
     def _late(self, i: int) -> TimeoutError:
         policy = self.plan.policy
-        return TimeoutError(f"{self.plan.name} backward: call {i} of {len(self.plan.calls)} "
-                            f"missed the {policy.timeout if policy else None}s deadline")
+        return TimeoutError(f"{self._where(i)} missed the "
+                            f"{policy.timeout if policy else None}s deadline")
 
     def join(self) -> None:
         """Waits until every call is done (helping), or a deadline passed
