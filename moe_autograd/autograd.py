@@ -76,7 +76,7 @@ class EmulatedAutogradContext:
             # bumps nothing); so do the node and the map (see ``_map``).
             dirty = {id(t) for t in self.dirty_tensors}
             self._versions = [
-                -1 if t is None else t._version + (
+                -1 if t is None or t.is_inference() else t._version + (
                     id(t) in dirty or (t._base is not None and id(t._base) in dirty))
                 for t in self.to_save]
 
@@ -87,7 +87,7 @@ class EmulatedAutogradContext:
             versions = self._versions
             if versions is not None:
                 for k, (t, v) in enumerate(zip(self.to_save, versions)):
-                    if t is not None and t._version != v:
+                    if v >= 0 and t._version != v:
                         raise RuntimeError(
                             "one of the variables needed for gradient computation has been "
                             f"modified by an inplace operation: saved tensor {k} "
@@ -374,12 +374,12 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
         attached: List[List[Tensor]] = [[] for _ in calls]
         if together:
             for i, outs in zip(together, attach([calls[i] for i in together], name=func.__name__,
-                                                lanes=lanes, function=func)):
+                                                lanes=lanes)):
                 attached[i] = outs
         for i in alone:
-            attached[i] = attach([calls[i]], name=func.__name__, function=func)[0]
+            attached[i] = attach([calls[i]], name=func.__name__)[0]
     else:
-        attached = attach(calls, name=func.__name__, lanes=lanes, function=func)
+        attached = attach(calls, name=func.__name__, lanes=lanes)
     if not made_node:
         attached = [call.outer_outputs([args[i][k] for k in call.tensor_positions])
                     if call.dirty or call.aliases else outs

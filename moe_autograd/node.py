@@ -709,27 +709,10 @@ def _no_shared_sparse(grads: Grads) -> Grads:
     return grads
 
 
-_named_nodes: Dict[type, type] = {}
-
-
-def _node_named_as(function: Optional[type]) -> Any:
-    """``_ParallelNode``, or a subclass named as ``function``, so that the
-    outputs' ``grad_fn`` and autograd's own errors about them ("Output 0 of
-    MyFunction is a view ...") name the Function a map runs, as ``apply``'s."""
-    if function is None:
-        return _ParallelNode
-    node = _named_nodes.get(function)
-    if node is None:
-        node = _named_nodes[function] = type(function.__name__, (_ParallelNode,), {
-            "__module__": __name__, "__qualname__": function.__qualname__})
-    return node
-
-
 def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = None,
            name: str = "parallel call",
            phony_device: Optional[torch.device] = None,
-           lanes: Optional[int] = None,
-           function: Optional[type] = None) -> List[List[Tensor]]:
+           lanes: Optional[int] = None) -> List[List[Tensor]]:
     """Hangs the calls' outputs off one ``_ParallelNode``; returns each call's
     outputs as tensors of the caller's graph.
 
@@ -737,8 +720,7 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
     returned as they are. Calls' saved tensors are packed by the caller's
     hooks here, in call order. A phony input that requires grad keeps the node
     in the graph (PyTorch's own ``Function.apply`` drops a node none of whose
-    inputs requires grad). ``function``: the autograd Function the calls run,
-    whose name the node takes.
+    inputs requires grad).
     """
     if not (torch.is_grad_enabled() and any(call.needs_grad for call in calls)):
         outputs = [list(call.outputs) for call in calls]
@@ -770,7 +752,7 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
             # gradient through the node's first input, which must be the view.
             plan.view_first = 1 + plan.tokens + next(
                 j for _, j in calls[0].dirty if calls[0].inputs[j]._is_view())
-        flat = _node_named_as(function).apply(
+        flat = _ParallelNode.apply(
             plan, *_node_order(plan, [phony, *tokens, *flat_inputs]))
     result: List[List[Tensor]] = []
     offset = 0

@@ -200,6 +200,13 @@ KNOWN_DIVERGENCES: List[Known] = [
           "under autocast, an expert's error in backward does not name the call",
           _all("raise:backward", "frame:autocast"), ("fail.names_call",),
           witnesses=((1, 467), (1, 505), (1, 1788))),
+    Known("D26-map-dirty-input-retain-grad-then-apply",
+          "map_with_parallel_backward: a Function marking dirty the caller's tensor, with "
+          "retain_grad() on the outputs; a later batch on that tensor raises PyTorch's "
+          "internal assert 'out != nullptr' (variable.cpp:207) in Function.apply",
+          lambda c: c.function == "FDirty" and c.retain_grad and c.iterations > 1,
+          ("forward",), ("unexpected_error",),
+          witnesses=((1795467467, 101), (1795467467, 9586))),
     Known("D14-checkpoint-frame-around-checkpointed-stateful-call",
           "a non-reentrant checkpoint frame around checkpoint=True calls whose forward "
           "updates buffers (BatchNorm, spectral_norm): buffers and gradients differ",
