@@ -11,8 +11,11 @@ graph ends at them and never reaches into the caller's graph. Its record's
 ``inputs`` (the parallel node's inputs for this call) are the caller's tensors
 that require grad followed by its *parameters*: the other leaves its graph
 reaches (for a checkpointed call, the expert module's parameters that require
-grad). Backward computes one gradient per entry with ``torch.autograd.grad``
-and returns them; the engine accumulates them, so no ``.grad`` is touched here.
+grad), then one copy of a tensor per extra gradient term its graph gives it
+(a tensor read on several paths, see :mod:`moe_autograd.terms`). Backward
+computes the gradients with ``torch.autograd.grad`` and returns one per entry
+(a split tensor's terms one per slot); the engine accumulates them, so no
+``.grad`` is touched here.
 
 Invariants:
 
@@ -53,6 +56,7 @@ from .module_state import ModuleState
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
+from .terms import ACCUMULATE_GRAD, Edges, TermSplit
 from .tls import CallerState, bind
 
 __all__ = ["ModuleCall", "Expert", "call_inline", "ForeignGraphError"]
@@ -89,9 +93,11 @@ class ForeignGraphError(RuntimeError):
 
 
 def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
-                  made: Optional[Tuple[int, int]] = None, name: str = "call") -> List[Tensor]:
+                  made: Optional[Tuple[int, int]] = None, name: str = "call",
+                  edges: Optional[Edges] = None) -> List[Tensor]:
     """Every leaf tensor that requires grad under ``outputs``' graphs, other
-    than those whose ``id`` is in ``known``, in a stable order.
+    than those whose ``id`` is in ``known``, in a stable order; with
+    ``edges``, also every edge into each leaf (see :mod:`moe_autograd.terms`).
 
     ``made`` is the range of sequence numbers of the nodes the call made (on
     its thread): a non-leaf node outside it belongs to another graph, the
@@ -122,7 +128,12 @@ def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
                 f"{name}: the expert differentiates into its caller's graph through a tensor "
                 f"it did not receive as an argument (a closure over a non-leaf tensor, reached "
                 f"at {fn.name()}); pass that tensor as an input of the call")
-        stack.extend(next_fn for next_fn, _ in reversed(fn.next_functions))
+        next_functions = fn.next_functions
+        if edges is not None:
+            for j, (next_fn, _) in enumerate(next_functions):
+                if type(next_fn) is ACCUMULATE_GRAD:
+                    edges.setdefault(id(next_fn.variable), []).append((fn, j))  # type: ignore[attr-defined]
+        stack.extend(next_fn for next_fn, _ in reversed(next_functions))
     return leaves
 
 
@@ -236,6 +247,9 @@ class ModuleCall(IsolatedCall):
         self.saves = None if (self.checkpoint or state is None) else state.saves()
         self._lock = threading.Lock()
         self._made: Optional[Tuple[int, int]] = None  # sequence numbers of the nodes it made
+        #: Tensors its graph reaches on several edges: their terms go to the
+        #: engine one by one (see :mod:`moe_autograd.terms`).
+        self._split: Optional[TermSplit] = None
         self._recompute: Optional[TaskGroup[None]] = None
         self._local_outputs: Optional[List[Tensor]] = None
         self.outputs: List[Tensor] = []
@@ -375,9 +389,14 @@ class ModuleCall(IsolatedCall):
             self.params = self._declared_params()
         else:
             differentiable = [o for o in self.outputs if o.requires_grad]
+            edges: Edges = {}
             self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
-                                        self._made, self.name)
+                                        self._made, self.name, edges)
+            self._split = TermSplit.of(self.inputs + self.params,
+                                       self._grad_leaves + self.params, edges)
         self.inputs = self.inputs + self.params
+        if self._split is not None:
+            self.inputs += self._split.extras
         _guard_leaves(self)
 
     def _adopt_requires_grad(self) -> None:
@@ -529,9 +548,12 @@ class ModuleCall(IsolatedCall):
         if not pairs:
             return [None] * len(self.inputs)
         targets = self._grad_leaves + self.params
+        split = self._split
         try:
-            computed = torch.autograd.grad([p[0] for p in pairs], targets, [p[1] for p in pairs],
-                                           retain_graph=True, allow_unused=True)
+            with split.capture() if split is not None else nullcontext():
+                computed = torch.autograd.grad([p[0] for p in pairs], targets,
+                                               [p[1] for p in pairs], retain_graph=True,
+                                               allow_unused=True)
         except RuntimeError as error:
             if "use_reentrant" not in str(error):
                 raise
@@ -544,7 +566,7 @@ class ModuleCall(IsolatedCall):
             for g in computed:
                 if g is not None and not bool(torch.isfinite(g).all()):
                     raise FloatingPointError(f"{self.name}: non-finite gradient")
-        return list(computed)
+        return list(computed) if split is None else split.apply(list(computed))
 
     def release(self) -> None:
         # A checkpointed call outlives release (its outputs' tag and the
@@ -556,4 +578,5 @@ class ModuleCall(IsolatedCall):
         self._leaves = None
         self._local_outputs = None
         self._recompute = None
+        self._split = None
         self.state = None

@@ -174,18 +174,12 @@ KNOWN_DIVERGENCES: List[Known] = [
           "mode=inline: an expert's error in backward does not name the call",
           _all("raise:backward", "mode:inline"), ("fail.names_call",),
           witnesses=((0, 2), (0, 588), (1, 300))),
-    Known("D11-shared-spectral-norm-grad-bits",
-          "a spectral_norm module used by several calls: the weight's gradient differs in "
-          "the last bits (per-call sums, then across calls)",
-          _all("shared", "stage:spectral_norm"), ("grads", "autograd_grad.values", "grads2",
-                                                 "after_step"),
-          witnesses=((0, 236), (1, 50), (1, 902))),
-    Known("D12-input-several-paths-and-returned-grad-bits",
-          "an input used on several paths (inside a call, or by several calls) and also "
-          "returned (itself or a view): its gradient terms are summed in another order "
-          "(last bits)",
-          lambda c: any(s.output in ("identity", "input_view", "input_pass")
-                        for s in c.calls) and (
+    Known("D12-returned-view-of-input-grad-bits",
+          "a view of an input returned by the call, the input also used on other paths "
+          "(inside the call, or by another call): the view's gradient term is added before "
+          "the calls' terms (the view is replayed after every call's node), not where the "
+          "loop's view node runs (last bits)",
+          lambda c: any(s.output == "input_view" for s in c.calls) and (
               "same_input" in constructs(c)
               or any({"nested", "requires_grad_"} & set(s.stages) for s in c.calls)),
           ("grads", "autograd_grad.values", "grads2", "after_step"),
