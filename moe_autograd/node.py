@@ -549,8 +549,18 @@ class _Pass:
         # the outer graph task (a checkpoint frame recomputes once), never on workers.
         self._saves: Dict[int, CallSaves] = {
             i: saves for i in self.active if (saves := calls[i].saves) is not None}
+        # An unpack that fails (a frame's recomputation that raised) is tried
+        # once, like the loop's; the saved tensors left raise it where a call's
+        # backward needs them, as the loop meets it only there.
+        failure: Optional[BaseException] = None
         for saves in self._saves.values():
-            saves.materialize()
+            if failure is None:
+                try:
+                    saves.materialize()
+                except Exception as error:  # noqa: BLE001 - raised by the calls that need it
+                    failure = error
+            if failure is not None:
+                saves.fail(failure)
         self._muted = _Muted(calls, self.active)
         # On a device thread: one lane, this thread, and no deadline can hold.
         self.inline = _on_device_thread(plan, self.active)

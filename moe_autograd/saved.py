@@ -27,8 +27,9 @@ Slot lifecycle::
 
     forward (worker)       pack        value = tensor
     after join (caller)    replay      packed = user_pack(tensor); value = None
-    backward (engine)      materialize value = user_unpack(packed)
-    backward (worker)      unpack      -> value
+    backward (engine)      materialize value = user_unpack(packed); if it raises, the
+                                       slots left get the error (``fail``)
+    backward (worker)      unpack      -> value (or the materialize's error, raised)
     after the call's bwd   drop        value = None (packed kept for a retained graph)
     release                            the slots go
 
@@ -48,11 +49,13 @@ _UNPACKED = object()
 
 
 class _Saved:
-    __slots__ = ("value", "packed")
+    __slots__ = ("value", "packed", "error")
 
     def __init__(self, value: Tensor) -> None:
         self.value: Optional[Tensor] = value
         self.packed: Any = _UNPACKED
+        #: Why the user's unpack could not give the value (see ``fail``).
+        self.error: Optional[BaseException] = None
 
 
 class CallSaves:
@@ -73,6 +76,8 @@ class CallSaves:
     @staticmethod
     def unpack(slot: _Saved) -> Tensor:
         value = slot.value
+        if value is None and slot.error is not None:
+            raise _again(slot.error)
         if value is None:
             raise RuntimeError(
                 "moe_autograd: a saved tensor of a parallel call was used outside the "
@@ -95,6 +100,14 @@ class CallSaves:
             if slot.packed is not _UNPACKED and slot.value is None:
                 slot.value = unpack(slot.packed)
 
+    def fail(self, error: BaseException) -> None:
+        """The user's unpack raised ``error`` (a frame's recomputation that
+        failed, say): every slot not unpacked yet raises it when the call's
+        backward needs it, as the loop's backward meets it only there."""
+        for slot in self.slots:
+            if slot.packed is not _UNPACKED and slot.value is None:
+                slot.error = error
+
     def drop(self) -> None:
         """Frees the unpacked tensors after the call's backward."""
         for slot in self.slots:
@@ -103,3 +116,14 @@ class CallSaves:
 
     def release(self) -> None:
         self.slots = []
+
+
+def _again(error: BaseException) -> BaseException:
+    """A fresh exception like ``error`` (several calls may raise it, each
+    adding its own note), caused by it."""
+    try:
+        again = type(error)(*error.args)
+    except Exception:  # noqa: BLE001 - a type that cannot be rebuilt from its args
+        again = RuntimeError(str(error))
+    again.__cause__ = error
+    return again

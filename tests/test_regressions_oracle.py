@@ -790,3 +790,57 @@ def test_input_read_on_several_paths_sums_as_the_loop(mode: str, shared: bool, t
                                   mods, x0, twice)
         want = _shared_input_grads(loop, refs, rx0, twice)
         assert all(bits_equal(g, w) for g, w in zip(got, want))
+
+
+class _FailingBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor) -> Tensor:
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise ValueError("expert backward failed on purpose")
+
+
+class DoublesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.mul_(2)  # again in the frame's recomputation: that one fails to match
+        return x * self.g
+
+
+class FailsInBackward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _FailingBackward.apply(x * self.g)
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_frame_recomputation_failure_is_met_where_the_loop_meets_it(mode: str) -> None:
+    """A non-reentrant checkpoint frame whose recomputation fails (an expert
+    modifies its input in place again): the loop's backward meets the last
+    call's own error first and never recomputes; the runtime unpacks the
+    calls' saved tensors before their backward, so that failure must wait for
+    a call that needs them. oracle: frame:ckpt_nonreentrant + input_inplace +
+    raise:backward; pytest tests/oracle --fuzz-seed=1795467467 --fuzz-case=17553"""
+    def run(runner: Callable[[List[nn.Module], List[Tensor]], List[Tensor]]) -> BaseException:
+        torch.manual_seed(0)
+        mods: List[nn.Module] = [DoublesItsInput(), FailsInBackward()]
+        x0, x1 = torch.randn(3, 4), torch.randn(3, 4, requires_grad=True)
+
+        def frame(a: Tensor, b: Tensor) -> Tensor:
+            out = runner(mods, [a, b])
+            return out[0].sum() + out[1].sum()
+        with pytest.raises(Exception) as info:
+            tuc.checkpoint(frame, x0, x1, use_reentrant=False).backward()
+        return info.value
+    got = run(lambda ms, xs: parallel_apply(ms, xs, mode=mode))
+    want = run(loop)
+    assert type(got) is type(want) and str(got) == str(want)
+    assert "call 1 of 2" in "".join(getattr(got, "__notes__", ()))

@@ -105,6 +105,11 @@ class Raised:
     def names_call(self) -> bool:
         return bool(_CALL_NAMED.search(self.text))
 
+    @property
+    def runtime_own(self) -> bool:
+        """The runtime's own error (its message, not a note, names the call)."""
+        return bool(_CALL_NAMED.search(self.text.split(" | ", 1)[0]))
+
     def __eq__(self, other: object) -> bool:  # the comparator looks at the details
         return isinstance(other, Raised) and self.type_name == other.type_name
 
@@ -656,8 +661,11 @@ def _failing_iteration(world: World, log: Log) -> None:
         # fails in several calls; the loop's backward meets the last first).
         armed = world.modules[call]
         names = [f"call {i} of {case.n}" for i, m in enumerate(world.modules) if m is armed]
+        # Only the armed expert's own error must name it (the loop may fail
+        # elsewhere first, a frame's recomputation say: fail.outcome compares).
         log.add("fail.names_call",
-                any(n in outcome.text for n in names) if log.side == RUNTIME else True)
+                any(n in outcome.text for n in names)
+                if log.side == RUNTIME and expected in outcome.text else True)
         # A failed backward may write the .grad of what it reached before the
         # failure (parameter gradients stream in the loop's order), never the
         # failing call's, and never one the loop's failed backward left alone
@@ -724,7 +732,8 @@ def compare(loop: Log, runtime: Log, may_raise: bool) -> Tuple[str, Optional[Div
             return "diverged", Divergence(lk, "", lv, rv, "unexpected_error")
         if isinstance(lv, Raised) and not isinstance(rv, Raised):
             return "diverged", Divergence(lk, "", lv, rv, "missing_error")
-        if isinstance(lv, Raised) and isinstance(rv, Raised) and lv != rv:
+        if isinstance(lv, Raised) and isinstance(rv, Raised) and (
+                lv != rv or (rv.runtime_own and not lv.runtime_own)):
             if rv.names_call and may_raise:  # both raise; the runtime's is a clear one
                 return "clear_error", None
             return "diverged", Divergence(lk, "", lv, rv, "value")
