@@ -59,7 +59,7 @@ from .stream import use_device
 from .terms import ACCUMULATE_GRAD, Edges, TermSplit
 from .tls import CallerState, bind
 
-__all__ = ["ModuleCall", "Expert", "call_inline", "ForeignGraphError"]
+__all__ = ["ModuleCall", "Expert", "call_inline", "check_flips", "ForeignGraphError"]
 
 Expert = Callable[..., Any]
 
@@ -184,6 +184,22 @@ def _guard_leaves(call: "ModuleCall") -> None:
         leaf.register_hook(guard)
 
 
+def check_flips(calls: Sequence["ModuleCall"]) -> None:
+    """Raises where an expert called ``requires_grad_()`` on an input that a
+    later call of the batch also received: that call got it as a leaf that
+    did not require grad (the calls start together), where the loop's later
+    call would see it requiring grad and track its use."""
+    for i, call in enumerate(calls):
+        for t in call.flipped:
+            for later in calls[i + 1:]:
+                if any(o is t for o in later._originals or ()):
+                    raise RuntimeError(
+                        f"{call.name}: the expert called requires_grad_() on an input that "
+                        f"{later.name.rsplit(': ', 1)[-1]} also receives; that call started "
+                        "before and does not track it (the loop's would): pass the tensor "
+                        "requiring grad")
+
+
 def _run_expert(module: Expert, args: Sequence[Any], kwargs: Mapping[str, Any],
                 device: torch.device, name: str) -> Any:
     """One expert call as every mode runs it: on its device, with a skip
@@ -250,6 +266,8 @@ class ModuleCall(IsolatedCall):
         #: Tensors its graph reaches on several edges: their terms go to the
         #: engine one by one (see :mod:`moe_autograd.terms`).
         self._split: Optional[TermSplit] = None
+        #: The caller's tensors the expert called ``requires_grad_()`` on.
+        self.flipped: List[Tensor] = []
         self._recompute: Optional[TaskGroup[None]] = None
         self._local_outputs: Optional[List[Tensor]] = None
         self.outputs: List[Tensor] = []
@@ -409,9 +427,9 @@ class ModuleCall(IsolatedCall):
             return
         pairs = [(o, v) for o, v in zip(originals, leaves)
                  if isinstance(v, Tensor) and v.requires_grad]
-        for o, _ in pairs:
-            if not o.requires_grad:
-                o.requires_grad_()
+        self.flipped = [o for o, _ in pairs if not o.requires_grad]
+        for o in self.flipped:
+            o.requires_grad_()
         self.inputs = [o for o, _ in pairs]
         self._grad_leaves = [v for _, v in pairs]
 

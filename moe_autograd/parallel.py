@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
 from .executor import TaskGroup
-from .module_call import Expert, ModuleCall, call_inline
+from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
 from .rng import CallRng
@@ -245,9 +245,12 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
         return results
     # An expert may enable grad under a caller's no_grad: its outputs then
     # have a graph, as in the loop, and the node must carry it.
-    with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
+    grad_enabled = torch.is_grad_enabled()
+    with nullcontext() if grad_enabled else torch.enable_grad():
         for call in calls:
             call.prepare()
+        if grad_enabled:
+            check_flips(calls)
         attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):

@@ -388,16 +388,24 @@ class Scale(nn.Module):
         return x if self.returns_input else x * self.w
 
 
-@pytest.mark.xfail(strict=True, reason="D7a: requires_grad_() in one call on an input that a "
-                   "later call also receives: the later call's use gets no gradient")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
-def test_requires_grad_on_input_shared_with_another_call(mode: str) -> None:
-    """oracle: stage:requires_grad_ + same_input; pytest tests/oracle --fuzz-seed=0 --fuzz-case=88"""
+def test_requires_grad_on_input_shared_with_a_later_call_raises(mode: str) -> None:
+    """oracle: stage:requires_grad_ + same_input; pytest tests/oracle --fuzz-seed=0
+    --fuzz-case=140 (was D7a, silent: the later call's use got no gradient)."""
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match=r"call 0 of 2: the expert called requires_grad_\(\) "
+                       r"on an input that call 1 of 2 also receives"):
+        parallel_apply([Scale(flip=True), Scale()], [x, x], mode=mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_requires_grad_on_input_shared_with_an_earlier_call(mode: str) -> None:
+    """The earlier call's use is not tracked in the loop either: equal."""
     x, rx = torch.randn(3, 4), torch.randn(3, 4)
     rx.copy_(x)
-    ys = parallel_apply([Scale(flip=True), Scale()], [x, x], mode=mode)
+    ys = parallel_apply([Scale(), Scale(flip=True)], [x, x], mode=mode)
     (ys[0].sum() + ys[1].sum()).backward()
-    rys = loop([Scale(flip=True), Scale()], [rx, rx])
+    rys = loop([Scale(), Scale(flip=True)], [rx, rx])
     (rys[0].sum() + rys[1].sum()).backward()
     assert bits_equal(x.grad, rx.grad)
 
@@ -844,3 +852,30 @@ def test_frame_recomputation_failure_is_met_where_the_loop_meets_it(mode: str) -
     want = run(loop)
     assert type(got) is type(want) and str(got) == str(want)
     assert "call 1 of 2" in "".join(getattr(got, "__notes__", ()))
+
+
+@pytest.mark.xfail(strict=True, reason="D7f: requires_grad_() inside an expert in a non-reentrant "
+                   "checkpoint frame: the loop's recomputation raises CheckpointError, the "
+                   "runtime computes")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_requires_grad_inside_non_reentrant_frame(mode: str) -> None:
+    """oracle: frame:ckpt_nonreentrant + stage:requires_grad_ + checkpoint:mixed; pytest
+    tests/oracle --fuzz-seed=0 --fuzz-case=468 (without checkpoint=True calls the runtime
+    raises the loop's CheckpointError too)"""
+    def run(runner: Callable[[List[nn.Module], List[Tensor]], List[Tensor]]) -> str:
+        torch.manual_seed(0)
+        mods: List[nn.Module] = [Scale(), Scale(flip=True)]
+        x = torch.randn(3, 4)
+
+        def frame(a: Tensor) -> Tensor:
+            ys = runner(mods, [a, a])
+            return ys[0].sum() + ys[1].sum()
+        try:
+            tuc.checkpoint(frame, x, use_reentrant=False).backward()
+        except Exception as error:  # noqa: BLE001
+            return type(error).__name__
+        return "ok"
+    want = run(loop)
+    assert want == "CheckpointError"
+    assert run(lambda ms, xs: parallel_apply(ms, xs, mode=mode,
+                                             checkpoint=[True, False])) == want

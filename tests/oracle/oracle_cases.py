@@ -267,7 +267,19 @@ def constructs(case: Case) -> FrozenSet[str]:
         if any(flags[i] and "requires_grad_" in c.stages and c.x_kind == "leaf"
                for i, c in enumerate(case.calls)):
             names.add("checkpoint+stage:requires_grad_")
+    if case.grad_mode == "grad":
+        roots = [_input_root(case, i) for i in range(case.n)]
+        if any("requires_grad_" in c.stages and c.x_kind == "leaf" and not flags[i]
+               and roots[i] in roots[i + 1:] for i, c in enumerate(case.calls)):
+            names.add("requires_grad_+later_same_input")
     return frozenset(names)
+
+
+def _input_root(case: Case, i: int) -> int:
+    """The call whose input tensor call ``i`` gets (``same_input_as`` chains)."""
+    while case.calls[i].same_input_as is not None:
+        i = case.calls[i].same_input_as  # type: ignore[assignment]
+    return i
 
 
 def cases(seed: int, count: int, only: Optional[Sequence[int]] = None) -> List[Case]:
