@@ -402,7 +402,7 @@ class ModuleCall(IsolatedCall):
         """On the caller, after the forward: appends the call's parameters to
         its ``inputs`` (the leaves its graph reaches, or for a checkpointed
         call the module's parameters)."""
-        self._adopt_requires_grad()
+        self.adopt_requires_grad()
         if self.checkpoint:
             self.params = self._declared_params()
         else:
@@ -417,7 +417,7 @@ class ModuleCall(IsolatedCall):
             self.inputs += self._split.extras
         _guard_leaves(self)
 
-    def _adopt_requires_grad(self) -> None:
+    def adopt_requires_grad(self) -> None:
         """An expert that called ``requires_grad_()`` on one of its inputs
         made the caller's tensor require grad in the loop: so here too."""
         leaves, originals = self._leaves, self._originals

@@ -239,6 +239,8 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     if not calls:
         return []
     if not any(call.needs_grad for call in calls):
+        for call in calls:  # an input the expert made require grad, and returned
+            call.adopt_requires_grad()
         results = [call.rebuild(call.outputs) for call in calls]
         for call in calls:
             call.release()

@@ -432,21 +432,19 @@ def test_requires_grad_inside_checkpointed_call(mode: str) -> None:
         parallel_apply([mod], [x], checkpoint=True, mode=mode)
 
 
-@pytest.mark.xfail(strict=True, reason="D7c: requires_grad_() on an input the expert returns: "
-                   "the caller's input and output do not require grad")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_requires_grad_on_returned_input(mode: str) -> None:
-    """oracle: stage:requires_grad_ + output:identity; pytest tests/oracle --fuzz-seed=0 --fuzz-case=484"""
+    """oracle: stage:requires_grad_ + output:identity; pytest tests/oracle --fuzz-seed=0 --fuzz-case=484
+    (was D7c: every call needing no gradient skipped adopting the flip)"""
     x = torch.randn(3, 4)
     y = parallel_apply([Scale(flip=True, returns_input=True)], [x], mode=mode)[0]
     assert x.requires_grad and y.requires_grad
 
 
-@pytest.mark.xfail(strict=True, reason="D7d: requires_grad_() inside an expert called in a "
-                   "reentrant checkpoint frame does not reach the caller's tensor")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_requires_grad_inside_reentrant_checkpoint_frame(mode: str) -> None:
-    """oracle: frame:ckpt_reentrant + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=187"""
+    """oracle: frame:ckpt_reentrant + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=187
+    (was D7d)"""
     x, rx = torch.randn(3, 4), torch.randn(3, 4)
     rx.copy_(x)
     w = torch.ones(4, requires_grad=True)  # so that the frame's output requires grad
@@ -456,12 +454,11 @@ def test_requires_grad_inside_reentrant_checkpoint_frame(mode: str) -> None:
     assert x.requires_grad == rx.requires_grad
 
 
-@pytest.mark.xfail(strict=True, reason="D7e: requires_grad_() inside an expert called under "
-                   "no_grad / inference_mode does not reach the caller's tensor")
 @pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_requires_grad_under_no_grad(mode: str, grad_mode: str) -> None:
-    """oracle: grad_mode:no_grad + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=35"""
+    """oracle: grad_mode:no_grad + stage:requires_grad_; pytest tests/oracle --fuzz-seed=0 --fuzz-case=35
+    (was D7e)"""
     x = torch.randn(3, 4)
     with getattr(torch, grad_mode)():
         parallel_apply([Scale(flip=True)], [x], mode=mode)

@@ -119,26 +119,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
           ("missing_error", "value"),
           witnesses=((0, 468),)),
-    Known("D7c-requires-grad-on-returned-input",
-          "x.requires_grad_() inside an expert that returns x (or a view of it): the "
-          "caller's output does not require grad",
-          lambda c: any("requires_grad_" in s.stages and s.x_kind == "leaf"
-                        and s.output in ("identity", "input_view", "input_pass")
-                        for s in c.calls), ("outputs", "inputs", "backward", "autograd_grad"),
-          ("value", "unexpected_error"),
-          witnesses=((0, 70), (0, 157), (0, 229))),
-    Known("D7d-requires-grad-in-reentrant-frame",
-          "x.requires_grad_() inside an expert called in a reentrant checkpoint frame: "
-          "input gradients differ",
-          _all("stage:requires_grad_", "x:leaf", "frame:ckpt_reentrant"),
-          ("inputs", "grads", "autograd_grad.values", "grads2", "after_step"),
-          witnesses=((0, 187), (0, 895), (1, 574))),
-    Known("D7e-requires-grad-under-no-grad",
-          "x.requires_grad_() inside an expert called under no_grad / inference_mode does "
-          "not reach the caller's tensor",
-          lambda c: c.grad_mode in ("no_grad", "inference")
-          and _all("stage:requires_grad_", "x:leaf")(c), ("inputs", "outputs", "relations"),
-          witnesses=((0, 22), (0, 35), (0, 371))),
     Known("D15-expert-in-place-on-non-leaf-input",
           "an in-place op of the expert on its non-leaf input raises 'a leaf Variable that "
           "requires grad is being used in an in-place operation' (the call sees a detached "
