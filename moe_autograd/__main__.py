@@ -1,7 +1,10 @@
 """``python -m moe_autograd {demo,bench,serve} [ARGS...]``.
 
 Each subcommand's module is imported only when it is chosen, and receives the
-remaining arguments (so ``python -m moe_autograd bench -h`` is bench's help).
+remaining arguments (so ``python -m moe_autograd bench -h`` is bench's help);
+``demo --elastic`` is the module :mod:`.demo_elastic` (which runs the Ray
+variant, :mod:`.demo_elastic_ray`, given ``--engine ray``), so that no demo
+module imports another.
 """
 import argparse
 import sys
@@ -14,11 +17,13 @@ COMMANDS = {
 }
 
 
-def _entry(command: str) -> Callable[[Sequence[str]], Optional[int]]:
+def _entry(command: str, args: Sequence[str]) -> Callable[[Sequence[str]], Optional[int]]:
     if command == "bench":
         from .bench import main
     elif command == "serve":
         from .remote.cli import main
+    elif "--elastic" in args:  # demo --elastic [--engine ray]: no demo imports another
+        from .demo_elastic import main
     else:
         from .demo import main
     return main
@@ -33,7 +38,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         commands.add_parser(name, help=help, add_help=False)
     command = parser.parse_args(args[:1]).command  # the rest belongs to the command
     try:
-        entry = _entry(command)
+        entry = _entry(command, args[1:])
     except ModuleNotFoundError as error:
         if not (error.name or "").startswith(__package__ or "moe_autograd"):
             raise  # a missing third-party dependency: show the real traceback

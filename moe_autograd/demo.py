@@ -32,52 +32,13 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor, nn
 
+from .demo_task import Expert, Model, RegionTask, evaluate, train_step
 from .moe import MixtureOfExperts
 
 __all__ = ["main"]
 
 
-# -- the task ------------------------------------------------------------------
-class RegionTask:
-    """Labels are ``argmax(W_r x)`` where ``r`` is the quadrant of ``(x0, x1)``."""
-
-    def __init__(self, dim: int, classes: int, seed: int) -> None:
-        g = torch.Generator().manual_seed(seed)
-        self.dim, self.classes = dim, classes
-        self.rules = torch.randn(4, classes, dim, generator=g)
-        self.g = g
-
-    def batch(self, size: int) -> Tuple[Tensor, Tensor]:
-        x = torch.randn(size, self.dim, generator=self.g)
-        region = (x[:, 0] > 0).long() * 2 + (x[:, 1] > 0).long()
-        logits = torch.einsum("bcd,bd->bc", self.rules[region], x)
-        return x, logits.argmax(dim=-1)
-
-
 # -- experts -------------------------------------------------------------------
-class Expert(nn.Module):
-    """A small expert; ``latency`` emulates a heavier one (sleeps, GIL free)."""
-
-    def __init__(self, width: int, latency: float = 0.0, fail_rate: float = 0.0,
-                 slow_rate: float = 0.0, slow_for: float = 0.0) -> None:
-        super().__init__()
-        # Linear on purpose: one such expert cannot solve the task, a gated
-        # mixture of them (piecewise linear) can.
-        self.net = nn.Linear(width, width)
-        self.latency, self.fail_rate = latency, fail_rate
-        self.slow_rate, self.slow_for = slow_rate, slow_for
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.fail_rate and torch.rand(()).item() < self.fail_rate:
-            raise RuntimeError("injected failure")
-        delay = self.latency
-        if self.slow_rate and torch.rand(()).item() < self.slow_rate:
-            delay += self.slow_for
-        if delay:
-            time.sleep(delay)
-        return self.net(x)
-
-
 def server_experts(index: int, width: int, latency: float, fail_rate: float,
                    slow_rate: float, slow_for: float) -> Dict[str, nn.Module]:
     """The experts of server ``index``: server 0 hosts the flaky one, server 1
@@ -126,19 +87,6 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
 
 
 # -- the model -----------------------------------------------------------------
-class Model(nn.Module):
-    def __init__(self, dim: int, width: int, classes: int, experts: Sequence[nn.Module],
-                 **moe_options: Any) -> None:
-        super().__init__()
-        self.embed = nn.Linear(dim, width)
-        self.moe = MixtureOfExperts(list(experts), width, **moe_options)
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
-        h, aux = self.moe(self.embed(x))
-        return self.head(h), aux
-
-
 class SequentialMixture(nn.Module):
     """The same routing with experts called one after another under plain
     autograd: what the step costs without this project."""
@@ -178,19 +126,6 @@ def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, la
     return times
 
 
-def train_step(model: Model, opt: torch.optim.Optimizer, task: "RegionTask", batch: int
-               ) -> Tuple[float, Tensor, Tensor, Tensor]:
-    """One training step on a fresh batch: ``(seconds, logits, labels, loss)``."""
-    x, y = task.batch(batch)
-    start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    logits, aux = model(x)
-    loss = nn.functional.cross_entropy(logits, y)
-    (loss + 0.01 * aux).backward()
-    opt.step()
-    return time.perf_counter() - start, logits, y, loss
-
-
 def _time_sequential(model: Model, task: RegionTask, steps: int, batch: int
                      ) -> Tuple[List[float], int]:
     """Forward+backward of the same model with plain sequential autograd; returns
@@ -210,16 +145,6 @@ def _time_sequential(model: Model, task: RegionTask, steps: int, batch: int
         times.append(time.perf_counter() - start)
     model.zero_grad(set_to_none=True)
     return times, crashed
-
-
-def _evaluate(model: Model, task: RegionTask) -> Tuple[float, float]:
-    x, y = task.batch(4096)
-    model.eval()
-    with torch.no_grad():
-        logits, _ = model(x)
-    model.train()
-    loss = nn.functional.cross_entropy(logits, y).item()
-    return loss, (logits.argmax(-1) == y).float().mean().item()
 
 
 def _median_ms(times: Sequence[float]) -> float:
@@ -242,18 +167,21 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--forward-timeout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    # Shown in -h only: `python -m moe_autograd demo --elastic` runs another
+    # module (moe_autograd.__main__ routes it), so this one never imports it.
     p.add_argument("--elastic", action="store_true",
-                   help="train while servers join, leave and crash (python -m moe_autograd "
-                        "demo --elastic -h for its options)")
-    return p.parse_args(argv)
+                   help="train while servers join, leave and crash, on torch RPC or "
+                        "(--engine ray) Ray (python -m moe_autograd demo --elastic -h for "
+                        "its options)")
+    args = p.parse_args(argv)
+    if args.elastic:
+        p.error("--elastic is the elastic demo, run by 'python -m moe_autograd demo --elastic' "
+                "(or moe_autograd.demo_elastic.main)")
+    return args
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--elastic" in argv:
-        from .demo_elastic import main as elastic_main
-        return elastic_main(argv)
-    args = _parse(argv)
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
     # torch.distributed's own deprecation chatter, raised inside init_rpc.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     torch.manual_seed(args.seed)
@@ -296,12 +224,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"model: embed -> MixtureOfExperts({len(local)} local + {len(remote)} remote "
               f"experts, k=2) -> head; task: {classes} classes, 4 regions with their own rules")
         times = _train(model, task, args.steps, args.batch, lr, "moe_autograd", args.quiet)
-        loss, acc = _evaluate(model, task)
+        loss, acc = evaluate(model, task)
         sequential_times, crashed = _time_sequential(model, task, min(30, args.steps), args.batch)
 
         single = Model(dim, width, classes, [Expert(width, 0.0)], k=1)
         _train(single, task, args.steps, args.batch, lr, "one expert  ", args.quiet)
-        single_loss, single_acc = _evaluate(single, task)
+        single_loss, single_acc = evaluate(single, task)
 
         totals = model.moe.expert_stats.totals()
         ours, seq = _median_ms(times), _median_ms(sequential_times)

@@ -21,22 +21,27 @@ What it shows, on one machine with no arguments:
 Servers are forked from a forkserver that imported torch once, so a join
 takes a fraction of a second of the trainer's time, not the seconds of a
 fresh interpreter. Every child process is stopped on exit, Ctrl-C included.
+
+``--engine ray`` runs the same story on a local Ray cluster whose nodes join,
+die and leave (:mod:`.demo_elastic_ray`); this module parses the options of
+both and hands them over (that module imports :mod:`.demo_task`, never this
+one, so there is no import circle).
 """
 import argparse
 import multiprocessing as mp
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
-from torch import Tensor, nn
+from torch import nn
 
-from .demo import Expert, Model, RegionTask, train_step
+from .demo_task import (ChurnLog, Expert, Model, RegionTask, evaluate, print_churn_report,
+                        train_step)
 
 __all__ = ["main"]
 
@@ -86,13 +91,12 @@ def _serve(port: int, name: str, experts: Sequence[str], seed: int, width: int,
     os._exit(3 if reason == "evicted" else 0)
 
 
-class _Demo:
+class _Demo(ChurnLog):
     def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args.quiet)
         self.args = args
         self.ctx = _context()
         self.processes: Dict[str, Any] = {}
-        self.log: List[Tuple[int, str]] = []
-        self.step = 0
 
     def start_server(self, name: str, experts: Sequence[str], seed: int, port: int) -> None:
         a = self.args
@@ -101,11 +105,6 @@ class _Demo:
                                          a.lr, os.getpid()))
         process.start()
         self.processes[name] = process
-
-    def note(self, text: str) -> None:
-        self.log.append((self.step, text))
-        if not self.args.quiet:
-            print(f"  step {self.step:4d}  {text}", flush=True)
 
     def stop_all(self, timeout: float) -> None:
         for process in self.processes.values():
@@ -122,7 +121,9 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m moe_autograd demo --elastic",
                                 description="Train while expert servers join, leave and crash.")
     p.add_argument("--elastic", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--steps", type=int, default=400, help="training steps (the duration)")
+    p.add_argument("--steps", type=int, default=400,
+                   help="training steps (the duration; with --engine ray a minimum: training "
+                        "goes on until the churn is complete)")
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--local-experts", type=int, default=2, help="experts in this process")
     p.add_argument("--latency", type=float, default=0.004,
@@ -132,6 +133,13 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
                    help="accuracy the mixture must reach (a single expert stays near 0.5)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--engine", choices=("rpc", "ray"), default="rpc",
+                   help="torch RPC's dynamic world (default) or a local Ray cluster whose "
+                        "nodes join, die and leave (moe_autograd.demo_elastic_ray; needs "
+                        "pip install 'moe_autograd[ray]')")
+    p.add_argument("--ray-timeout", type=float, default=120.0,
+                   help="with --engine ray: seconds a node start, a join or a leave may take "
+                        "before the demo gives up waiting for it")
     args = p.parse_args(argv)
     args.width, args.lr = 32, 3e-3
     return args
@@ -139,6 +147,11 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
+    if args.engine == "ray":
+        # One way only: demo_elastic_ray imports demo_task, never this module.
+        from .demo_elastic_ray import run
+
+        return run(args)
     from .remote import Fleet
     from .remote.loopback import backend_options, free_port
 
@@ -240,13 +253,7 @@ def _report(demo: _Demo, fleet: Any, model: Model, task: RegionTask,
             result: Dict[str, Any]) -> int:
     args = demo.args
     times, masked = result["times"], result["masked"]
-    x, y = task.batch(4096)
-    model.eval()
-    with torch.no_grad():
-        logits, _ = model(x)
-    model.train()
-    acc = (logits.argmax(-1) == y).float().mean().item()
-    loss = nn.functional.cross_entropy(logits, y).item()
+    loss, acc = evaluate(model, task)
     kill_at, replace_at = result["kill_at"], result["replace_at"]
     joined = {n: s for s, t in demo.log for n in ("server_c", "server_d")
               if t.startswith(f"{n} joined")}
@@ -254,18 +261,6 @@ def _report(demo: _Demo, fleet: Any, model: Model, task: RegionTask,
     phases = [("before the kill", 0, kill_at),
               ("no server for expert2/3", kill_at, c_join),
               ("after the replacement", c_join, len(times))]
-    print()
-    print("churn events (step: what happened)")
-    for step, text in demo.log:
-        print(f"  {step:4d}  {text}")
-    print("masked expert calls per phase")
-    for label, lo, hi in phases:
-        print(f"  {label:26s} steps {lo:4d}-{hi - 1:4d}: {sum(masked[lo:hi]):4d} masked, "
-              f"median step {statistics.median(times[lo:hi] or [float('nan')]) * 1000:6.1f} ms")
-    reached = acc >= args.target
-    print(f"accuracy      {acc:6.1%} (loss {loss:.3f}); target {args.target:.0%}: "
-          f"{'reached' if reached else 'NOT reached'}")
-    totals = model.moe.expert_stats.totals()
-    print(f"absorbed      {totals['failures']} failures and {totals['timeouts']} timeouts over "
-          f"{totals['calls']} expert calls; training never stopped ({len(times)} steps)")
+    reached = print_churn_report(demo, times, masked, phases, loss, acc, args.target,
+                                 model.moe.expert_stats.totals())
     return 0 if reached else 1

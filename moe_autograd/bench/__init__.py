@@ -50,6 +50,9 @@ Groups
     :mod:`.elastic`: the MoE layer over an elastic fleet: step time while
     servers join and leave vs without churn; steps from a join to its first
     served call.
+``ray-elastic``
+    :mod:`.ray_elastic`: the same two rows with the fleet on Ray (RayFleet
+    over named actors; skipped without ``ray``).
 
 ``remote`` and ``moe`` are imported when they run (they need more of torch and
 of the package); their ``run(quick)`` returns dicts with keys ``name,
@@ -118,6 +121,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "moe": _external("moe", "moe_autograd.moe.bench"),
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
     "elastic": _external("elastic", f"{__name__}.elastic"),
+    "ray-elastic": _external("ray-elastic", f"{__name__}.ray_elastic"),
 }
 
 NOTES: Dict[str, str] = {
@@ -175,6 +179,11 @@ NOTES: Dict[str, str] = {
                "torch) and wait for their cue, so the churn rows time the runtime's join and "
                "leave, not an interpreter's start-up; a churn block is back-to-back churn "
                "(the next event could start at once), the densest the fleet allows.",
+    "ray-elastic": "A local Ray instance on this machine: servers that join are actors started "
+                   "in advance, waiting in their experts factory for a cue, so the rows time "
+                   "the fleet's churn (the start completing, RayFleet seeing it, calls moving; "
+                   "a drain), not a worker importing torch; the fleet polls every 0.1 s and "
+                   "re-reads the cluster at once when a name has no replica.",
 }
 
 

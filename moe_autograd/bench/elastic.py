@@ -32,7 +32,7 @@ import queue as queue_module
 import signal
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple, cast
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,29 @@ class _Sleepy(nn.Module):
         time.sleep(L_S)
         return torch.tanh(self.lin(x))
 
+
+
+def fleet_step(fleet: Any, join_samples: int) -> Tuple[Any, List[str], Callable[[], float]]:
+    """A MoE layer over the fleet's experts (``NAMES`` and the ``extra``
+    names that join later) and its warmed-up training step (seconds), as both
+    engines' elastic rows time it: ``(layer, extra, step)``."""
+    from ..moe import MixtureOfExperts
+
+    extra = [f"x{k}" for k in range(join_samples)]
+    experts = fleet.experts(list(NAMES) + extra, forward_timeout=5.0, backward_timeout=5.0)
+    moe = MixtureOfExperts(experts, WIDTH, k=len(experts), k_min=0, allow_zero_outputs=True,
+                           forward_timeout=5.5, backward_timeout=6.0)
+
+    def step() -> float:
+        x = torch.randn(TOKENS, WIDTH)
+        start = time.perf_counter()
+        y, aux = moe(x)
+        (y.square().mean() + aux).backward()
+        return time.perf_counter() - start
+
+    for _ in range(10):  # warm-up
+        step()
+    return moe, extra, step
 
 def _context() -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
@@ -98,7 +121,6 @@ def _trainer(port: int, quick: bool, plan: Dict[str, Any], results: Any) -> None
 
 
 def _train(port: int, quick: bool, plan: Dict[str, Any]) -> Dict[str, Any]:
-    from ..moe import MixtureOfExperts
     from ..remote import Fleet, membership
     from ..remote.loopback import backend_options
 
@@ -112,21 +134,8 @@ def _train(port: int, quick: bool, plan: Dict[str, Any]) -> Dict[str, Any]:
         for _ in range(2):
             joined.get(timeout=60)
         fleet.wait_for(list(NAMES), timeout=60)
-        extra = [f"x{k}" for k in range(plan["join_samples"])]
-        experts = fleet.experts(list(NAMES) + extra, forward_timeout=5.0, backward_timeout=5.0)
-        moe = MixtureOfExperts(experts, WIDTH, k=len(experts), k_min=0, allow_zero_outputs=True,
-                               forward_timeout=5.5, backward_timeout=6.0)
+        moe, extra, step = fleet_step(fleet, plan["join_samples"])
         live = ["r0", "r1"]  # replica servers, oldest first
-
-        def step() -> float:
-            x = torch.randn(TOKENS, WIDTH)
-            start = time.perf_counter()
-            y, aux = moe(x)
-            (y.square().mean() + aux).backward()
-            return time.perf_counter() - start
-
-        for _ in range(10):  # warm-up
-            step()
         quiet_blocks: List[float] = []
         churn_blocks: List[float] = []
         churn_steps: List[int] = []

@@ -149,33 +149,42 @@ def _measure(quick: bool) -> List[Dict[str, Any]]:
              "goal": r.goal, "note": r.note} for r in rows]
 
 
-def run(quick: bool = False) -> List[Dict[str, Any]]:
-    """Starts a local Ray instance (unless this process is connected to
-    one), measures, shuts it down; returns the rows as dicts."""
+def run_on_local_ray(name: str, rows: Callable[[], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    """``rows()`` with Ray connected: on a local instance started here (and
+    shut down after) unless this process is connected to one; one skipped
+    row named ``name`` without ray."""
     try:
         import ray
     except ImportError:
-        return [{"name": "ray", "baseline_ms": None, "ours_ms": None, "ratio": None,
+        return [{"name": name, "baseline_ms": None, "ours_ms": None, "ratio": None,
                  "goal": None, "note": "skipped: ray is not installed (pip install "
                  "'moe_autograd[ray]')"}]
     started = not ray.is_initialized()
     if started:
         here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         old = os.environ.get("PYTHONPATH")
+        # Ray's workers inherit the environment of the raylet that ray.init starts.
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
         try:
-            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-                     configure_logging=False)
+            # address='local': a new instance, never a cluster found through
+            # RAY_ADDRESS or /tmp/ray/ray_current_cluster (stale after a hard kill)
+            ray.init(address="local", num_cpus=2, include_dashboard=False,
+                     log_to_driver=False, configure_logging=False)
         finally:
             if old is None:
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = old
     try:
-        return _measure(quick)
+        return rows()
     finally:
         if started:
             ray.shutdown()
+
+
+def run(quick: bool = False) -> List[Dict[str, Any]]:
+    """Measures on a local Ray instance (see :func:`run_on_local_ray`)."""
+    return run_on_local_ray("ray", lambda: _measure(quick))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,41 +11,61 @@ another replica, backward to the replica that ran the forward, a name with
 no replica masked at once), so a ``MixtureOfExperts`` of fleet experts runs on
 either engine.
 
-Lifecycle of a server as a RayFleet sees it::
+Lifecycle of a server as a RayFleet sees it (``events``: what is recorded)::
 
     state     entered when                               chosen for new calls?
     --------  -----------------------------------------  ----------------------------------
-    unseen    the actor starts (its name is registered)  no
+    unseen    the actor starts (its name is registered;  no
+              its info() waits for its __init__)
     serving   a poll finds it and its info() answers     yes (oldest first, then the
-                                                         replica that served last)
+              (event "joined")                           replica that served last)
     draining  RayExpertServer.leave() / SIGTERM of a     no; calls in flight and held states
-              'serve --engine ray' process               are still served (up to its drain
-                                                         timeout)
-    gone      the actor ended, crashed or its node died  no; calls to it fail at once
-              (Ray removes its name); or info() fails    (ActorDiedError) and are retried
-                                                         or masked; forgotten at the next
-                                                         poll
+              'serve --engine ray' process (event        are still served (up to its drain
+              "left")                                    timeout)
+    silent    its info() has not answered for            no; back to serving if it answers
+              info_timeout (event "lost": a node that    later (event "joined")
+              died keeps its actors' names until Ray's
+              health check declares it dead)
+    gone      the actor ended, crashed or its node was   no; calls to it fail at once
+              declared dead (Ray removes its name), or   (ActorDiedError) and are retried
+              info() raised (event "gone")               or masked; forgotten
     suspect   a call to it failed on the transport       no, for ``suspect_for`` seconds
+              (event "lost", once per incarnation)
 
 Invariants:
 
 * Only public Ray API: ``ray.util.list_named_actors``, ``ray.get_actor``,
   ``ray.wait``; no store, no beats, no reaper here.
-* A poll costs one name listing and one ``info()`` per server (answered
-  concurrently, bounded by ``info_timeout``); a server that does not answer
-  is left out of that poll's roster.
-* :meth:`replicas` never blocks; the watch thread is a daemon stopped by
-  :meth:`shutdown` (every wait bounded).
+* A poll never waits on a server it asked before: each server has at most
+  one ``info()`` in flight, sent by one poll and collected by whichever
+  poll finds it answered; a poll waits only for what it sent itself, at
+  most :data:`POLL_WAIT_S` (a live server answers in milliseconds; a later
+  answer is collected by the next poll). So a server that does not answer
+  (a dead node's actor, one still starting) delays nobody: it keeps its
+  last record until its pending ``info()`` is ``info_timeout`` old, then
+  is left out (silent), and a server that joined meanwhile is seen at the
+  next poll.
+* Polls are serialised (one lock); :meth:`replicas` never blocks on one,
+  and :meth:`refresh_on_miss` (a call that found no replica; it asks only
+  servers not in the roster) skips its poll while another one runs: the
+  caller waits at most one name listing and :data:`POLL_WAIT_S`.
+  The watch thread is a daemon stopped by :meth:`shutdown` (every wait
+  bounded).
+* An incarnation is a name and the time a poll first saw it serve:
+  :meth:`first_served` and the "lost" event are per incarnation, so a
+  replacement started under a dead server's name counts as new.
 """
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from .fleet import FleetExpert
-from .ray_backend import NAMESPACE, RayTransport, _ray
+from .fleet import FleetEvent, FleetExpert
+from .ray_backend import NAMESPACE, RayTransport, _ray, _short
 from .transport import Transport, check_timeout
 
-__all__ = ["RayFleet"]
+__all__ = ["RayFleet", "POLL_WAIT_S"]
+
+POLL_WAIT_S = 0.05  # how long a poll waits for the answers to the info() it sent
 
 
 class RayFleet:
@@ -55,7 +75,10 @@ class RayFleet:
     ``fleet.expert("ffn0", forward_timeout=..., backward_timeout=...)`` is a
     :class:`~.fleet.FleetExpert` over it. ``transport``: the
     :class:`~.ray_backend.RayTransport` its calls use (default: one of this
-    namespace).
+    namespace). ``info_timeout``: seconds a server may leave its ``info()``
+    unanswered before it is left out (silent). ``events``: the
+    :class:`~.fleet.FleetEvent` s seen, oldest first (``joined``, ``left``,
+    ``lost``, ``gone``; see the module's table).
     """
 
     def __init__(self, namespace: str = NAMESPACE, *, poll: float = 0.5,
@@ -70,15 +93,19 @@ class RayFleet:
         self.suspect_for = check_timeout("suspect_for of RayFleet", suspect_for) or 0.0
         self.info_timeout = check_timeout("info_timeout of RayFleet", info_timeout) or 5.0
         self.transport: Transport = transport or RayTransport(namespace)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # the roster (records, suspects, events)
+        self._poll_lock = threading.Lock()  # one poll at a time (handles, pending)
         self._handles: Dict[str, Any] = {}
-        # name -> (first seen, experts -> strategy, state)
+        self._pending: Dict[str, Tuple[Any, float]] = {}  # name -> (info() ref, sent at)
+        # name -> (first seen serving, experts -> strategy, state)
         self._records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
         self._suspects: Dict[str, float] = {}
-        self._first_served: Dict[str, float] = {}
+        self._lost: Set[Tuple[str, float]] = set()
+        self._first_served: Dict[Tuple[str, float], float] = {}
         self._last_miss_refresh = 0.0
+        self.events: List[FleetEvent] = []
         self._stop = threading.Event()
-        self._poll_once()
+        self._poll_once(self.info_timeout)  # the servers up now are known on return
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="moe_autograd-ray-fleet")
         self._thread.start()
@@ -87,61 +114,125 @@ class RayFleet:
     def _watch(self) -> None:
         while not self._stop.wait(self.poll):
             try:
-                self._poll_once()
+                self._poll_once(min(POLL_WAIT_S, self.info_timeout))
             except Exception:  # noqa: BLE001 - the cluster is busy or gone: the cache stands
                 pass
 
-    def _poll_once(self) -> None:
+    def _poll_once(self, wait: float, lock_timeout: float = -1, known_too: bool = True) -> bool:
+        """One poll: lists the names, sends ``info()`` to every server without
+        one in flight (``known_too=False``: only to servers not in the roster),
+        waits up to ``wait`` seconds for the answers to what it sent, collects
+        every answer that came (older ones included), and updates the roster.
+        Returns False if another poll held the lock for ``lock_timeout``
+        seconds (``-1``: waits for it)."""
+        if not self._poll_lock.acquire(timeout=lock_timeout):
+            return False
+        try:
+            self._poll_locked(wait, known_too)
+        finally:
+            self._poll_lock.release()
+        return True
+
+    def _poll_locked(self, wait: float, known_too: bool) -> None:
         ray = _ray()
         names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                        if a.get("namespace") == self.namespace)
-        refs: Dict[str, Any] = {}
+        listed = set(names)
+        for name in set(self._handles) - listed:  # ended: Ray removed its name
+            self._handles.pop(name, None)
+            self._pending.pop(name, None)
+        with self._lock:
+            known = set(self._records)
+        now = time.monotonic()
+        sent: List[Any] = []
         for name in names:
+            if name in self._pending or (not known_too and name in known):
+                continue
             handle = self._handles.get(name)
             try:
                 if handle is None:
                     handle = ray.get_actor(name, namespace=self.namespace)
-                refs[name] = handle.info.remote()
+                ref = handle.info.remote()
             except Exception:  # noqa: BLE001 - gone meanwhile, or not an expert server
                 self._handles.pop(name, None)
                 continue
             self._handles[name] = handle
+            self._pending[name] = (ref, now)
+            sent.append(ref)
+        if sent:  # only what this poll sent is waited for: a silent server delays nobody
+            ray.wait(sent, num_returns=len(sent), timeout=max(0.0, wait))
+        refs = {name: ref for name, (ref, _) in self._pending.items()}
         ready: List[Any] = []
         if refs:
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs),
-                                timeout=self.info_timeout)
-        now = time.monotonic()
-        records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
+            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
         done = set(ready)
+        answers: Dict[str, Dict[str, Any]] = {}
+        dead: Dict[str, str] = {}  # name -> why its info() failed
         for name, ref in refs.items():
             if ref not in done:
                 continue
+            del self._pending[name]
             try:
-                info = ray.get(ref)
-            except Exception:  # noqa: BLE001 - died: Ray fails its calls
+                answers[name] = ray.get(ref)
+            except Exception as error:  # noqa: BLE001 - died: Ray fails its calls
                 self._handles.pop(name, None)
-                continue
-            known = self._records.get(name)
-            first = known[0] if known is not None else now
-            records[name] = (first, dict(info.get("experts", {})), str(info.get("state", "serving")))
-        for name in set(self._handles) - set(names):
-            del self._handles[name]
+                dead[name] = _short(error)
+        self._apply(names, answers, dead)
+
+    def _apply(self, names: Sequence[str], answers: Dict[str, Dict[str, Any]],
+               dead: Dict[str, str]) -> None:
+        now = time.monotonic()
         with self._lock:
+            old = self._records
+            records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
+            for name in names:
+                if name in dead:
+                    continue
+                info = answers.get(name)
+                if info is not None:
+                    known = old.get(name)
+                    first = known[0] if known is not None else now
+                    records[name] = (first, dict(info.get("experts", {})),
+                                     str(info.get("state", "serving")))
+                elif name in old and (name not in self._pending or
+                                      now - self._pending[name][1] < self.info_timeout):
+                    records[name] = old[name]  # not asked this time, or the answer is on its way
+            for name, (first, experts, state) in old.items():
+                new = records.get(name)
+                if new is None:
+                    gone = name in dead or name not in names
+                    detail = (f"info() failed: {dead[name]}" if name in dead else
+                              "its actor ended" if gone else
+                              f"no answer for {self.info_timeout:g} s")
+                    if gone or (name, first) not in self._lost:
+                        self.events.append(FleetEvent("gone" if gone else "lost", name,
+                                                      tuple(experts), now, detail))
+                    self._lost.discard((name, first))
+                elif state == "serving" and new[2] != "serving":
+                    self.events.append(FleetEvent("left", name, tuple(experts), now, new[2]))
+            for name, (first, experts, state) in records.items():
+                if state == "serving" and (name not in old or old[name][2] != "serving"):
+                    self.events.append(FleetEvent("joined", name, tuple(experts), now, ""))
+                    self._suspects.pop(name, None)
             self._records = records
 
     def refresh(self) -> None:
-        """Reads the cluster now (the watch thread does so every ``poll``)."""
-        self._poll_once()
+        """Reads the cluster now (the watch thread does so every ``poll``),
+        waiting up to ``info_timeout`` for the servers' answers."""
+        self._poll_once(self.info_timeout)
 
     def refresh_on_miss(self) -> None:
-        """:meth:`refresh`, at most every ``poll / 4`` seconds (a name with no
-        replica cached may have one that started since the last poll)."""
+        """A quick poll, at most every ``poll / 4`` seconds: a name with no
+        replica cached may have one that started since the last poll. It asks
+        only servers not in the roster, waits :data:`POLL_WAIT_S` at most for
+        their answers, and is skipped while another poll runs."""
         now = time.monotonic()
         if now - self._last_miss_refresh < self.poll / 4:
             return
         self._last_miss_refresh = now
         try:
-            self._poll_once()
+            self._poll_once(min(POLL_WAIT_S, self.info_timeout), lock_timeout=0,
+                            known_too=False)
         except Exception:  # noqa: BLE001
             pass
 
@@ -162,17 +253,30 @@ class RayFleet:
                     if state == "serving"}
 
     def suspect(self, worker: str, why: str = "") -> None:
-        """Skips ``worker`` for ``suspect_for`` seconds (a call failed on the transport)."""
+        """Skips ``worker`` for ``suspect_for`` seconds (a call failed on the
+        transport); the first time per incarnation, records a "lost" event."""
+        now = time.monotonic()
         with self._lock:
-            self._suspects[worker] = time.monotonic() + self.suspect_for
+            self._suspects[worker] = now + self.suspect_for
+            record = self._records.get(worker)
+            if record is not None and (worker, record[0]) not in self._lost:
+                self._lost.add((worker, record[0]))
+                self.events.append(FleetEvent("lost", worker, tuple(record[1]), now,
+                                              why or "a call failed on the transport"))
 
     def _served(self, worker: str) -> None:
-        if worker not in self._first_served:
-            self._first_served[worker] = time.monotonic()
+        now = time.monotonic()
+        with self._lock:
+            record = self._records.get(worker)
+            if record is not None:
+                self._first_served.setdefault((worker, record[0]), now)
 
     def first_served(self, worker: str) -> Optional[float]:
-        """When (``time.monotonic()``) ``worker`` first served a call of this fleet."""
-        return self._first_served.get(worker)
+        """When (``time.monotonic()``) the current incarnation of ``worker``
+        first served a call of this fleet."""
+        with self._lock:
+            record = self._records.get(worker)
+            return None if record is None else self._first_served.get((worker, record[0]))
 
     # -- experts --------------------------------------------------------------------------
     def expert(self, name: str, *, forward_timeout: Optional[float] = None,

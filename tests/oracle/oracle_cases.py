@@ -262,6 +262,9 @@ def constructs(case: Case) -> FrozenSet[str]:
     if case.grad_mode == "grad" and any(flags):
         if "post:in_add_" in names:
             names.add("checkpoint+post:in_add_")
+        if "post:out_mul_" in names and any(c.output in ("identity", "input_view", "input_pass")
+                                            for c in case.calls):
+            names.add("checkpoint+post:out_mul_on_input")
         if any(flags[i] and "input_inplace" in c.stages for i, c in enumerate(case.calls)):
             names.add("checkpoint+stage:input_inplace")
         if any(flags[i] and "requires_grad_" in c.stages and c.x_kind == "leaf"

@@ -40,6 +40,9 @@ RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
     # saved activations, or raises): "an input of the checkpointed call was
     # modified in place after the call ...".
     "checkpoint+post:in_add_",
+    # The same through an output that is the input (returned as is) and
+    # modified in place by the caller.
+    "checkpoint+post:out_mul_on_input",
     # The same, by the checkpointed expert itself (an in-place op on its input).
     "checkpoint+stage:input_inplace",
     # requires_grad_() by a checkpointed expert on an input that did not
@@ -99,10 +102,11 @@ KNOWN_DIVERGENCES: List[Known] = [
     Known("D3-checkpoint-input-modified-in-place",
           "checkpoint=True: the recomputation uses an input modified in place after the call "
           "(the loop raises, or keeps the old values)",
-          lambda c: "post:in_add_" in constructs(c) and _any_checkpointed(c),
+          lambda c: bool({"post:in_add_", "checkpoint+stage:input_inplace"} & constructs(c))
+          and _any_checkpointed(c),
           ("backward", "autograd_grad", "grads", "autograd_grad.values", "grads2",
            "after_step", "hooks"), ("value", "missing_error"),
-          witnesses=((0, 877),)),
+          witnesses=((0, 877), (1795471345, 6636))),
     Known("D5-output-hook-partial-gradient",
           "a hook / retain_grad on an output that other outputs or self.aux are computed from "
           "sees only its direct gradient",
@@ -162,6 +166,17 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: "raise:backward" in constructs(c) and bool(
               {"mode:inline", "mode:auto"} & constructs(c)), ("fail.names_call",),
           witnesses=((0, 2), (0, 588), (1, 300))),
+    Known("D11-checkpoint-terms-summed-per-call",
+          "checkpoint=True: a tensor the call reads on several paths (a spectral_norm "
+          "weight, a residual input) that other calls or the caller also use: the call's "
+          "terms are summed within the call first (no graph after its forward to count "
+          "them), as torch.utils.checkpoint's reentrant mode sums them (last bits)",
+          lambda c: _any_checkpointed(c) and (
+              bool({"shared", "same_input", "tied"} & constructs(c))
+              or any(c.checkpoint_of(i) and {"spectral_norm", "requires_grad_", "nested"}
+                     & set(s.stages) for i, s in enumerate(c.calls))),
+          ("grads", "autograd_grad.values", "grads2", "after_step"),
+          witnesses=((1795471345, 780), (1795471345, 4422), (1795471345, 10515))),
     Known("D12-returned-view-of-input-grad-bits",
           "a view of an input returned by the call, the input also used on other paths "
           "(inside the call, or by another call): the view's gradient term is added before "

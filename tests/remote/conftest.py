@@ -97,7 +97,9 @@ def ray_world() -> Iterator[Dict[str, Any]]:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
     _ray["closed"] = False
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        # address='local': a new instance, never a cluster found through RAY_ADDRESS
+        # or /tmp/ray/ray_current_cluster (left behind by a hard-killed cluster)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  configure_logging=False, namespace="moe_autograd_tests")
         _ray["servers"] = start_servers([(name, "remote_experts:setup_servers")
                                          for name in SERVERS], ready_timeout=90.0)

@@ -1,0 +1,418 @@
+"""``python -m moe_autograd demo --elastic --engine ray``: the elastic demo on Ray.
+
+The story of :mod:`.demo_elastic` (servers join, one dies, a replacement and a
+replica join, one leaves with drain), told on Ray's own membership instead of
+torch RPC's dynamic world. What it shows, on one machine with no arguments:
+
+1. It starts a local Ray cluster of real nodes on loopback: a head node (the
+   GCS; this process is its driver, taking no CPU) and worker nodes that
+   advertise custom resources (``demo_server_a`` on ``node_a``, ...). The
+   expert servers are named actors
+   (:class:`~moe_autograd.remote.RayExpertServer`) asking for their
+   resource, so Ray places each on its node.
+2. It trains ``embed -> MixtureOfExperts -> head`` on the demos' region task
+   (:mod:`.demo_task`); the remote experts are names (``expert0`` ..
+   ``expert3``, :class:`~moe_autograd.remote.FleetExpert`) that a
+   :class:`~moe_autograd.remote.RayFleet` resolves from the cluster's named
+   actors at every call: ``server_a`` on ``node_a`` hosts expert0 and
+   expert1, ``server_b`` on ``node_b`` expert2 and expert3.
+3. During training: ``node_b`` is removed without grace (its raylet and
+   worker processes SIGKILLed, as when a machine loses power): calls to
+   expert2 and expert3 are masked within their deadline (the actor answers
+   for about a second more, then calls to it fail or time out; a call whose
+   backward it no longer answers is a constant, ``backward_k_min=0``; Ray's
+   health checks declare the node dead some seconds later, about 15 s with
+   Ray's defaults, and remove its names). ``node_c`` joins with ``server_c``
+   (*replacement* experts 2 and 3, fresh weights), used from the step after
+   its join was seen, and ``server_d`` (replicas of experts 0 and 1); once
+   both serve, ``server_a`` leaves with drain
+   (:meth:`~moe_autograd.remote.RayExpertServer.leave`: no longer chosen,
+   calls in flight and held states served, then ended) and ``node_a``
+   leaves the cluster.
+4. The report lists every churn event with its step (the fleet's own
+   events: ``joined``, ``left``, ``lost``, ``gone``), the masked calls and
+   median step per phase, and whether accuracy reached its target.
+
+Pacing: the kill is due at 25 % of ``--steps``, node_c's join at 45 %,
+server_a's leave at 65 % once server_c served a call and server_d serves;
+training goes on until the leave is done, so ``--steps`` is a minimum (on a
+small machine under training load a server's start, mostly its ``import
+torch``, takes seconds to tens of seconds); a join or a leave that takes
+more than ``--ray-timeout`` seconds ends the wait (reported, exit status 1).
+Every loop is bounded.
+
+Why ``ray.cluster_utils.Cluster``: a node that dies must be a node that
+leaves the cluster (its raylet gone, Ray's failure detection at work), not
+just a killed process; ``Cluster`` is Ray's documented utility for a
+multi-node cluster on one machine ("Tips for testing Ray programs"),
+importable from the public ``ray`` package (not ``ray._private``). Its node
+objects are only handed back to it. Nothing else here uses anything but
+Ray's public API.
+
+Threads: ``Cluster`` starts a node's processes bound to the life of the
+thread that started them (Linux ``PR_SET_PDEATHSIG``) and sets this
+process's SIGTERM handler, so every change to the cluster runs on the main
+thread, between steps: adding a node pauses training about a second here
+(outside the timed steps; on a real cluster the node starts on its own
+machine). Only waits run on threads of their own: a server's readiness and
+a leave's drain; training reads what they saw from a queue, and what the
+fleet saw from its events. This process's SIGTERM handler (Ctrl-C's
+clean-up) is set again after every node start.
+
+Clean-up, on every exit (an error, Ctrl-C, SIGTERM): the fleet's thread
+stops, the server actors are killed, the driver disconnects
+(``ray.shutdown``) and every node is removed (``Cluster.shutdown``: raylets,
+GCS, their workers); Ray's own reaper and ``atexit`` hooks remove the nodes
+if this process dies before that.
+"""
+import argparse
+import functools
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from types import FrameType
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from .demo_task import (ChurnLog, Expert, Model, RegionTask, evaluate, print_churn_report,
+                        train_step)
+
+__all__ = ["run", "make_experts", "NAMESPACE"]
+
+NAMESPACE = "moe_autograd_demo"  # the Ray namespace of the demo's servers
+LAYOUT: Dict[str, Tuple[str, Tuple[str, ...], int]] = {  # server -> (node, experts, seed)
+    "server_a": ("node_a", ("expert0", "expert1"), 1),
+    "server_b": ("node_b", ("expert2", "expert3"), 2),
+    "server_c": ("node_c", ("expert2", "expert3"), 3),  # replaces server_b's (fresh weights)
+    "server_d": ("node_c", ("expert0", "expert1"), 4),  # replicas of server_a's
+}
+
+
+def make_experts(names: Sequence[str], seed: int, width: int, latency: float
+                 ) -> Dict[str, nn.Module]:
+    """The experts factory of a demo server (runs in its Ray actor)."""
+    torch.manual_seed(seed)
+    return {name: Expert(width, latency) for name in names}
+
+
+def _resource(server: str) -> str:
+    """The custom resource that places ``server`` (its node advertises it)."""
+    return f"demo_{server}"
+
+
+class _RayDemo(ChurnLog):
+    """The cluster, its nodes and servers, and the demo's log. Its methods
+    run on the main thread (see the module's threads)."""
+
+    def __init__(self, args: argparse.Namespace, cluster: Any) -> None:
+        super().__init__(args.quiet)
+        self.args = args
+        self.cluster = cluster
+        self.nodes: Dict[str, Any] = {}
+        self.servers: Dict[str, Any] = {}
+        self.threads: List[threading.Thread] = []
+        self.notes: "queue.Queue[str]" = queue.Queue()  # from the threads, noted by take_notes
+        self.failed: Dict[str, str] = {}
+
+    def start_server(self, server: str) -> str:
+        """Adds a node for ``server`` and starts the server actor on it (not
+        waited for: a thread of its own checks its readiness, the fleet sees
+        its join); returns what happened."""
+        from .remote import RayExpertServer
+
+        a = self.args
+        node, experts, seed = LAYOUT[server]
+        started = time.monotonic()
+        if node not in self.nodes:
+            self.nodes[node] = self.cluster.add_node(
+                wait=False, num_cpus=0,
+                resources={_resource(s): 1 for s, spec in LAYOUT.items() if spec[0] == node})
+            _catch_sigterm()  # the node set its own handler
+        self.servers[server] = RayExpertServer(
+            server, functools.partial(make_experts, experts, seed, a.width, a.latency),
+            namespace=NAMESPACE, resources={_resource(server): 1}, num_cpus=0,
+            ready_timeout=a.ray_timeout, wait=False,
+            optimizer=functools.partial(torch.optim.Adam, lr=a.lr))
+
+        def check() -> None:
+            try:
+                self.servers[server].wait_ready()
+            except Exception as error:  # noqa: BLE001 - reported; the wait gives up
+                self.failed[server] = str(error)
+                self.notes.put(f"{server} did not start: {error}")
+
+        self._thread(check, f"demo-ready-{server}")
+        return f"{time.monotonic() - started:.1f} s to start it"
+
+    def kill_node(self, node: str) -> None:
+        """Removes ``node`` without grace (SIGKILL of its raylet and workers)."""
+        self.cluster.remove_node(self.nodes.pop(node), allow_graceful=False)
+
+    def leave(self, server: str) -> threading.Event:
+        """``server`` leaves with drain, on a thread of its own (the drain takes
+        seconds); the event is set once it ended (its node is then removed
+        by :meth:`remove_node`, on the main thread)."""
+        done = threading.Event()
+
+        def drain() -> None:
+            try:
+                left = self.servers.pop(server).leave(drain_timeout=self.args.drain_timeout,
+                                                      linger=0.5)
+                self.notes.put(f"{server} drained and ended (left undrained: "
+                               f"{left['in_flight']} calls in flight, {left['live']} states)")
+            except Exception as error:  # noqa: BLE001 - reported
+                self.failed[server] = str(error)
+                self.notes.put(f"leave of {server} failed: {error}")
+            finally:
+                done.set()
+
+        self._thread(drain, f"demo-leave-{server}")
+        return done
+
+    def remove_node(self, node: str) -> None:
+        """``node`` leaves the cluster (its processes get SIGTERM first)."""
+        self.cluster.remove_node(self.nodes.pop(node), allow_graceful=True)
+
+    def _thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, daemon=True, name=name)
+        thread.start()
+        self.threads.append(thread)
+
+    def take_notes(self) -> None:
+        while True:
+            try:
+                self.note(self.notes.get_nowait())
+            except queue.Empty:
+                return
+
+    def teardown(self, interrupted: bool) -> None:
+        """Kills the servers, disconnects, removes every node (bounded waits)."""
+        import ray
+
+        for server in list(self.servers.values()):
+            server.kill()
+        for thread in self.threads:
+            thread.join(1.0 if interrupted else 10.0)
+        try:
+            ray.shutdown()
+        finally:
+            self.cluster.shutdown()
+
+
+def _start_cluster(args: argparse.Namespace) -> Any:
+    import ray
+    # A test utility of Ray's public package (see the module docstring):
+    # real nodes (raylets) on one machine, added and removed at will.
+    from ray.cluster_utils import Cluster
+
+    # As 'ray start --head --num-cpus=0 --include-dashboard=false
+    # --include-log-monitor=false': the driver needs no CPU, logs stay in files.
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False, "include_log_monitor": False})
+    try:
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
+                 configure_logging=False)
+    except BaseException:
+        cluster.shutdown()
+        raise
+    return cluster
+
+
+class _RayMessages:
+    """This process's stdout while the demo runs. What Ray's driver prints
+    (the GCS's messages about nodes: "Raylet is terminated", "marked dead
+    because the detector has missed too many heartbeats", each followed by a
+    dump of the raylet's last log lines; from its own threads, or from the
+    main thread as ``ray.shutdown`` flushes them) is cut to its first line,
+    prefixed ``[ray]``; everything else passes as is."""
+
+    _ANSI = re.compile(r"\x1b\[[0-9;]*m")
+    _RAY = ("(raylet)", "(autoscaler)", "(pid=", "(gcs_server)")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        plain = self._ANSI.sub("", text)
+        if threading.current_thread() is threading.main_thread() \
+                and not plain.startswith(self._RAY):
+            return int(self._stream.write(text))
+        first = plain.strip().splitlines()[:1]
+        if first:
+            self._stream.write(f"  [ray] {first[0][:160]}\n")
+        return len(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def _raise_interrupt(signum: int, frame: Optional[FrameType]) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _catch_sigterm() -> None:
+    """SIGTERM tears down as Ctrl-C does (main thread only; Ray's nodes set
+    their own handler when they start, so this is set again after each)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the demo with the options of :mod:`.demo_elastic` (``--engine ray``)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        print("the Ray demo needs Ray: pip install 'moe_autograd[ray]'", file=sys.stderr)
+        return 2
+    from .remote import RayFleet
+
+    args.drain_timeout = 10.0
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)
+    dim, classes = 8, 4
+    task = RegionTask(dim, classes, args.seed)
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("the Ray demo runs on the main thread (Ray's nodes set signal "
+                           "handlers when they start)")
+    previous = signal.getsignal(signal.SIGTERM)
+    _catch_sigterm()
+    stdout = sys.stdout
+    sys.stdout = _RayMessages(stdout)  # type: ignore[assignment]
+    demo: Optional[_RayDemo] = None
+    cluster: Any = None
+    fleet: Optional[Any] = None
+    interrupted = False
+    try:
+        started = time.monotonic()
+        print("starting a local Ray cluster (a head node, node_a and node_b) ...", flush=True)
+        cluster = _start_cluster(args)
+        _catch_sigterm()
+        demo = _RayDemo(args, cluster)
+        for server in ("server_a", "server_b"):
+            demo.start_server(server)
+        fleet = RayFleet(NAMESPACE, poll=0.2, suspect_for=2.0, info_timeout=2.0)
+        names = [f"expert{i}" for i in range(4)]
+        try:
+            fleet.wait_for(names, timeout=args.ray_timeout)
+        finally:
+            demo.take_notes()
+        print(f"cluster up in {time.monotonic() - started:.1f} s: server_a (expert0, expert1) "
+              f"on node_a and server_b (expert2, expert3) on node_b serve", flush=True)
+        remote = fleet.experts(names, forward_timeout=args.forward_timeout, backward_timeout=5.0)
+        local: List[nn.Module] = [Expert(args.width, args.latency)
+                                  for _ in range(args.local_experts)]
+        model = Model(dim, args.width, classes, [*local, *remote], k=2, k_min=1,
+                      forward_timeout=args.forward_timeout + 0.2, backward_timeout=6.0,
+                      backward_k_min=0,  # a node that dies between forward and backward
+                      allow_zero_outputs=True, detect_anomalies=True)  # (a constant call)
+        print(f"model: embed -> MixtureOfExperts({len(local)} local + {len(remote)} remote "
+              f"experts by name, k=2) -> head; at least {args.steps} steps", flush=True)
+        result = _train(demo, fleet, model, task)
+        loss, acc = evaluate(model, task)
+        reached = print_churn_report(demo, result["times"], result["masked"], result["phases"],
+                                     loss, acc, args.target, model.moe.expert_stats.totals())
+        return 0 if reached and not result["gave_up"] else 1
+    except KeyboardInterrupt:
+        interrupted = True
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    finally:
+        try:
+            if fleet is not None:
+                fleet.shutdown(timeout=2.0)
+            if demo is not None:
+                demo.teardown(interrupted)
+            elif cluster is not None:
+                import ray
+
+                ray.shutdown()
+                cluster.shutdown()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            sys.stdout = stdout
+
+
+def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[str, Any]:
+    """Trains through the churn (see the module's pacing); returns step
+    times, masked calls per step, the phases and whether a wait gave up."""
+    args = demo.args
+    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    book = model.moe.expert_stats
+    kill_at, replace_at, replica_at = (int(args.steps * f) for f in (0.25, 0.45, 0.65))
+    stage = "before the kill"
+    stage_since = time.monotonic()
+    leave_done: Optional[threading.Event] = None
+    seen_events = 0
+    joins: Dict[str, int] = {}  # joined server -> step its join was seen
+    times: List[float] = []
+    masked: List[int] = []
+    gave_up = ""
+    step = 0
+    while step < args.steps or stage != "done":
+        demo.step = step
+        waited = time.monotonic() - stage_since
+        if stage == "before the kill" and step >= kill_at:
+            demo.kill_node("node_b")
+            demo.note("kill node_b (SIGKILL of its raylet and workers): server_b is gone, "
+                      "expert2 and expert3 have no server now")
+            stage, stage_since = "killed", time.monotonic()
+        elif stage == "killed" and step >= replace_at:
+            took = demo.start_server("server_c")
+            took_d = demo.start_server("server_d")
+            demo.note(f"node_c joins with server_c (replacement expert2 and expert3, fresh "
+                      f"weights; {took}) and server_d (replicas of expert0 and expert1; "
+                      f"{took_d})")
+            stage, stage_since = "replacing", time.monotonic()
+        elif stage == "replacing" and step >= replica_at \
+                and fleet.first_served("server_c") is not None \
+                and "server_d" in fleet.servers():
+            leave_done = demo.leave("server_a")
+            demo.note("server_a leaves with drain (server_d serves its experts)")
+            stage, stage_since = "leaving", time.monotonic()
+        elif stage == "leaving" and leave_done is not None and leave_done.is_set():
+            demo.remove_node("node_a")
+            demo.note("node_a left the cluster")
+            stage = "done"
+        elif stage in ("replacing", "leaving") and \
+                (waited > args.ray_timeout or demo.failed):
+            gave_up = (f"{stage} did not complete within {args.ray_timeout:g} s "
+                       f"({demo.failed or 'no failure reported'})")
+            demo.note(f"gave up waiting: {gave_up}")
+            stage = "done"
+        before = book.totals()
+        seconds, _, _, _ = train_step(model, opt, task, args.batch)
+        times.append(seconds)
+        after = book.totals()
+        masked.append(int(after["failures"] + after["timeouts"]
+                          - before["failures"] - before["timeouts"]))
+        demo.take_notes()
+        events = list(fleet.events)
+        for event in events[seen_events:]:
+            demo.note(f"{event.worker} {event.kind}"
+                      f"{' (' + ', '.join(event.experts) + ')' if event.experts else ''}"
+                      f"{': ' + event.detail[:100] if event.detail else ''}")
+            if event.kind == "joined" and step > 0:
+                joins[event.worker] = step
+        seen_events = len(events)
+        for worker, joined_at in list(joins.items()):
+            if fleet.first_served(worker) is not None:
+                demo.note(f"{worker} served its first call, {step - joined_at} step(s) "
+                          "after its join was seen")
+                del joins[worker]
+        step += 1
+    end = len(times)
+    c_join = demo.first("server_c joined")
+    c_from = min(c_join + 1, end) if c_join >= 0 else end  # noted after its step
+    leave_at = demo.first("server_a leaves")
+    leave_from = max(leave_at, c_from) if leave_at >= 0 else end
+    phases = [("before the kill", 0, kill_at),
+              ("no server for expert2/3", kill_at, c_from),
+              ("after the replacement", c_from, leave_from),
+              ("server_a leaving/gone", leave_from, end)]
+    return {"times": times, "masked": masked, "phases": [p for p in phases if p[2] > p[1]],
+            "gave_up": gave_up}
