@@ -27,9 +27,10 @@ order, and the engine, which adds a node's input gradients in input order,
 sums them as the loop does.
 
 Invariants: a call whose every tensor has one edge has no split (nothing
-here runs in its backward); a backward that did not produce exactly one term
-per edge (a node not run) falls back to the per-leaf sums for that tensor;
-the hooks live only for the duration of one ``torch.autograd.grad``.
+here runs in its backward); a node the backward does not run (a branch with
+no gradient) gives no term, and its slot gets None; more terms than edges
+(never seen) fall back to the per-leaf sums for that tensor; the hooks live
+only for the duration of one ``torch.autograd.grad``.
 A checkpointed call has no graph after its forward: its terms are summed per
 call, as ``torch.utils.checkpoint(use_reentrant=True)`` sums them (see the
 README's Semantics).
@@ -74,12 +75,20 @@ class _Group:
 class TermSplit:
     """The slots and the edges of a call's tensors that get several terms."""
 
-    __slots__ = ("_groups", "extras")
+    __slots__ = ("_groups", "_uses", "extras")
 
     def __init__(self, groups: List[_Group], extras: List[Tensor]) -> None:
         self._groups = groups
         #: Tensors to append to the call's inputs (one per extra slot).
         self.extras = extras
+        # Per node that owns such edges: its edges' positions (the engine adds
+        # a node's gradients in input order) and the groups they feed.
+        by_node: Dict[int, Tuple[Any, List[Tuple[int, _Group]]]] = {}
+        for group in groups:
+            for node, j in group.edges:
+                by_node.setdefault(id(node), (node, []))[1].append((j, group))
+        self._uses = [(node, sorted(uses, key=lambda use: use[0]))
+                      for node, uses in by_node.values()]
 
     @staticmethod
     def of(outer: Sequence[Tensor], leaves: Sequence[Tensor], edges: Edges) -> Optional["TermSplit"]:
@@ -106,15 +115,10 @@ class TermSplit:
     @contextmanager
     def capture(self) -> Iterator[None]:
         """Records each group's terms while the call's backward runs."""
-        by_node: Dict[int, Tuple[Any, List[Tuple[int, _Group]]]] = {}
         for group in self._groups:
             group.terms = []
-            for node, j in group.edges:
-                by_node.setdefault(id(node), (node, []))[1].append((j, group))
         handles = []
-        for node, uses in by_node.values():
-            uses.sort(key=lambda use: use[0])  # the engine adds in input order
-
+        for node, uses in self._uses:
             def record(grad_inputs: Tuple[Optional[Tensor], ...], _: Any,
                        uses: List[Tuple[int, _Group]] = uses) -> None:
                 for j, group in uses:
@@ -132,8 +136,8 @@ class TermSplit:
         out = list(grads) + [None] * len(self.extras)
         for group in self._groups:
             terms, group.terms = group.terms, []
-            if len(terms) != len(group.edges):
-                continue  # not one term per edge: keep the sums (extras None)
+            if len(terms) > len(group.edges):
+                continue  # more terms than edges: keep the sums (extras None)
             for k in group.targets:
                 out[k] = None
             slot = iter(group.slots)
