@@ -202,9 +202,6 @@ def _train(demo: _Demo, fleet: Any, model: Model, task: RegionTask, port: int
     book = model.moe.expert_stats
     kill_at, replace_at, replica_at = (int(args.steps * f) for f in (0.25, 0.45, 0.65))
     schedule = {kill_at: "kill", replace_at: "replace", replica_at: "replica"}
-    seen_events = 0
-    joins: Dict[str, int] = {}        # joined server -> step its join was seen
-    served_after: Dict[str, int] = {}  # joined server -> steps until its first served call
     leave_pending = False
     times: List[float] = []
     masked: List[int] = []
@@ -231,22 +228,9 @@ def _train(demo: _Demo, fleet: Any, model: Model, task: RegionTask, port: int
         after = book.totals()
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))
-        events = fleet.events
-        for event in events[seen_events:]:
-            demo.note(f"{event.worker} {event.kind}"
-                      f"{' (' + ', '.join(event.experts) + ')' if event.experts else ''}"
-                      f"{': ' + event.detail if event.detail else ''}")
-            if event.kind == "joined" and step > 0:
-                joins[event.worker] = step
-        seen_events = len(events)
-        for worker, joined_at in list(joins.items()):
-            if fleet.first_served(worker) is not None:
-                demo.note(f"{worker} served its first call, {step - joined_at} step(s) "
-                          "after its join was seen")
-                served_after[worker] = step - joined_at
-                del joins[worker]
+        demo.follow(fleet, step)
     return {"times": times, "masked": masked, "kill_at": kill_at, "replace_at": replace_at,
-            "served_after": served_after}
+            "served_after": demo.served_after}
 
 
 def _report(demo: _Demo, fleet: Any, model: Model, task: RegionTask,

@@ -347,8 +347,6 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
     stage = "before the kill"
     stage_since = time.monotonic()
     leave_done: Optional[threading.Event] = None
-    seen_events = 0
-    joins: Dict[str, int] = {}  # joined server -> step its join was seen
     times: List[float] = []
     masked: List[int] = []
     gave_up = ""
@@ -391,19 +389,7 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))
         demo.take_notes()
-        events = list(fleet.events)
-        for event in events[seen_events:]:
-            demo.note(f"{event.worker} {event.kind}"
-                      f"{' (' + ', '.join(event.experts) + ')' if event.experts else ''}"
-                      f"{': ' + event.detail[:100] if event.detail else ''}")
-            if event.kind == "joined" and step > 0:
-                joins[event.worker] = step
-        seen_events = len(events)
-        for worker, joined_at in list(joins.items()):
-            if fleet.first_served(worker) is not None:
-                demo.note(f"{worker} served its first call, {step - joined_at} step(s) "
-                          "after its join was seen")
-                del joins[worker]
+        demo.follow(fleet, step)
         step += 1
     end = len(times)
     c_join = demo.first("server_c joined")

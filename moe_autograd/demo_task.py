@@ -18,7 +18,7 @@ workers forked by a forkserver, Ray actors) import it to build their
 """
 import statistics
 import time
-from typing import Any, List, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -119,6 +119,10 @@ class ChurnLog:
         self.quiet = quiet
         self.step = 0
         self.log: List[Tuple[int, str]] = []
+        self._seen = 0  # fleet events noted
+        self._joins: Dict[str, int] = {}  # joined server -> step its join was seen
+        #: Joined server -> steps until its first served call (see :meth:`follow`).
+        self.served_after: Dict[str, int] = {}
 
     def note(self, text: str) -> None:
         self.log.append((self.step, text))
@@ -128,6 +132,25 @@ class ChurnLog:
     def first(self, prefix: str) -> int:
         """The step of the first entry starting with ``prefix`` (-1: none)."""
         return next((step for step, text in self.log if text.startswith(prefix)), -1)
+
+    def follow(self, fleet: Any, step: int) -> None:
+        """Notes the fleet's membership events since the last step, and each
+        joined server's first served call (``served_after``: the steps after
+        its join was seen). Either engine's fleet (``events``, ``first_served``)."""
+        events = list(fleet.events)
+        for event in events[self._seen:]:
+            self.note(f"{event.worker} {event.kind}"
+                      f"{' (' + ', '.join(event.experts) + ')' if event.experts else ''}"
+                      f"{': ' + event.detail[:100] if event.detail else ''}")
+            if event.kind == "joined" and step > 0:
+                self._joins[event.worker] = step
+        self._seen = len(events)
+        for worker, joined_at in list(self._joins.items()):
+            if fleet.first_served(worker) is not None:
+                self.note(f"{worker} served its first call, {step - joined_at} step(s) "
+                          "after its join was seen")
+                self.served_after[worker] = step - joined_at
+                del self._joins[worker]
 
 
 def print_churn_report(log: ChurnLog, times: Sequence[float], masked: Sequence[int],

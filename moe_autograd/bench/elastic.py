@@ -58,6 +58,22 @@ class _Sleepy(nn.Module):
 
 
 
+def until_served(fleet: Any, server: str, step: Callable[[], float], published: float,
+                 offset: float) -> Tuple[float, int]:
+    """Steps until ``server`` (published at wall time ``published``) served a
+    call: ms from its publication to its first served call, and the steps
+    begun after the publication (``offset``: wall minus monotonic time)."""
+    starts: List[float] = []
+    for _ in range(200):
+        starts.append(time.time())
+        step()
+        first = fleet.first_served(server)
+        if first is not None:
+            return ((first + offset - published) * 1e3,
+                    sum(1 for t in starts if t >= published))
+    raise RuntimeError(f"{server} served nothing within 200 steps of its join")
+
+
 def fleet_step(fleet: Any, join_samples: int) -> Tuple[Any, List[str], Callable[[], float]]:
     """A MoE layer over the fleet's experts (``NAMES`` and the ``extra``
     names that join later) and its warmed-up training step (seconds), as both
@@ -170,19 +186,8 @@ def _train(port: int, quick: bool, plan: Dict[str, Any]) -> Dict[str, Any]:
         for name in extra:
             gos[name].set()
             server, join_s, published = joined.get(timeout=60)
-            starts: List[float] = []
-            served: Optional[float] = None
-            for _ in range(200):
-                starts.append(time.time())
-                step()
-                first = fleet.first_served(server)
-                if first is not None:
-                    served = first + offset
-                    break
-            if served is None:
-                raise RuntimeError(f"{server} served nothing within 200 steps of its join")
-            steps_after = sum(1 for t in starts if t >= published)
-            samples.append(((served - published) * 1e3, steps_after, join_s))
+            served_ms, steps_after = until_served(fleet, server, step, published, offset)
+            samples.append((served_ms, steps_after, join_s))
         return {"quiet_ms": [b * 1e3 for b in quiet_blocks],
                 "churn_ms": [b * 1e3 for b in churn_blocks], "churn_steps": churn_steps,
                 "step_ms": step_s * 1e3, "samples": samples,

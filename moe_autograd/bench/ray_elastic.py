@@ -44,7 +44,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, cast
 
 import torch
 
-from .elastic import BLOCK, NAMES, TOKENS, WIDTH, _Sleepy, fleet_step
+from .elastic import BLOCK, NAMES, TOKENS, WIDTH, _Sleepy, fleet_step, until_served
 
 __all__ = ["run", "main", "Gate", "gated_server"]
 
@@ -196,19 +196,8 @@ def _measure(quick: bool) -> Dict[str, Any]:
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{name} did not join within 60 s of its cue")
                     time.sleep(0.005)
-            starts: List[float] = []
-            served: Optional[float] = None
-            for _ in range(200):
-                starts.append(time.time())
-                step()
-                first = fleet.first_served(name)
-                if first is not None:
-                    served = first + offset
-                    break
-            if served is None:
-                raise RuntimeError(f"{name} served nothing within 200 steps of its join")
-            steps_after = sum(1 for t in starts if t >= published)
-            samples.append(((served - published) * 1e3, steps_after, (published - cue) * 1e3))
+            served_ms, steps_after = until_served(fleet, name, step, published, offset)
+            samples.append((served_ms, steps_after, (published - cue) * 1e3))
         return {"quiet_ms": [b * 1e3 for b in quiet_blocks],
                 "churn_ms": [b * 1e3 for b in churn_blocks], "churn_steps": churn_steps,
                 "step_ms": step_s * 1e3, "samples": samples, "pairs": pairs,

@@ -70,14 +70,10 @@ Invariants:
   random stream, forked on the caller in call order), so results do not
   depend on coalescing.
 """
-import heapq
-import itertools
 import logging
-import os
 import secrets
 import threading
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -88,6 +84,7 @@ from ..autograd import EmulatedAutogradContext
 from ..module_call import ModuleCall
 from ..rng import CallRng
 from .batch_server import serve_batch, serve_collect
+from .deadlines import DeadlineWatch, per_process
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .server import OPS
 from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
@@ -172,76 +169,19 @@ def run_sync(job: Job) -> Any:
 
 
 # -- the deadline watcher ----------------------------------------------------------
-class _Watch:
-    """One daemon thread that expires jobs at their deadlines.
-
-    A request is held here while it has open jobs (whatever the transport
-    keeps of it, its deadlines fire) and let go when its last job ends; the
-    heap's entries hold it weakly (a finished request, and its tensors, are
-    not kept until a far deadline), and dead entries are compacted away."""
-
-    def __init__(self) -> None:
-        self._heap: List[Tuple[float, int, Any, Tuple[int, ...]]] = []
-        self._cond = threading.Condition()
-        self._seq = itertools.count()
-        self._started = False
-        self._compact_at = 4096
-        self._open: set = set()  # requests with open jobs
-
-    def hold(self, request: "_Request") -> None:
-        with self._cond:
-            self._open.add(request)
-
-    def let_go(self, request: "_Request") -> None:
-        with self._cond:
-            self._open.discard(request)
-
-    def add(self, deadline: float, request: "_Request", ks: Tuple[int, ...]) -> None:
-        """Expires the jobs ``ks`` of ``request`` at ``deadline``."""
-        with self._cond:
-            if not self._started:
-                self._started = True
-                threading.Thread(target=self._run, daemon=True,
-                                 name="moe_autograd-remote-deadlines").start()
-            heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(request), ks))
-            if self._heap[0][0] == deadline:
-                self._cond.notify()
-            if len(self._heap) > self._compact_at:
-                self._heap = [e for e in self._heap if _live(e)]
-                heapq.heapify(self._heap)
-                self._compact_at = max(4096, 2 * len(self._heap))
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap))
-                if not due:
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                    continue
-            for _, _, ref, ks in due:
-                request = ref()
-                if request is not None:
-                    for k in ks:
-                        request.expire(k)
+def _expire_jobs(request: "_Request", ks: Tuple[int, ...]) -> None:
+    for k in ks:
+        request.expire(k)
 
 
-def _live(entry: Tuple[float, int, Any, Tuple[int, ...]]) -> bool:
-    request = entry[2]()
-    return request is not None and any(request.open[k] for k in entry[3])
+def _jobs_open(request: "_Request", ks: Tuple[int, ...]) -> bool:
+    return any(request.open[k] for k in ks)
 
 
-_watch = _Watch()
-
-
-def _after_fork_in_child() -> None:  # the parent's watcher thread does not exist here
-    global _watch
-    _watch = _Watch()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: A request is held while it has open jobs (whatever the transport keeps of
+#: it, its deadlines fire) and let go when its last job ends.
+_watch = per_process(lambda: DeadlineWatch("moe_autograd-remote-deadlines", _expire_jobs,
+                                           _jobs_open))
 
 
 # -- requests -------------------------------------------------------------------------
@@ -267,7 +207,7 @@ class _Request:
         self._lock = threading.Lock()
 
     def send(self) -> None:
-        _watch.hold(self)
+        _watch().hold(self)
         now = time.monotonic()
         default = None
         if any(job.answer_by is None for job in self.jobs):
@@ -282,7 +222,7 @@ class _Request:
             if deadline is not None:
                 due.setdefault(deadline, []).append(k)
         for deadline, ks in due.items():
-            _watch.add(deadline, self, tuple(ks))
+            _watch().add(deadline, self, tuple(ks))
         if self.batch_id is None:
             job = self.jobs[0]
             self._call(OPS[job.op], job.args)
@@ -318,7 +258,7 @@ class _Request:
             self.left -= 1
             last = not self.left
         if last:
-            _watch.let_go(self)
+            _watch().let_go(self)
         return True
 
     def _deliver(self, k: int, value: Any, error: Optional[BaseException]) -> None:

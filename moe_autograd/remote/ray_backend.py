@@ -58,16 +58,14 @@ Invariants:
   keeps strangers out is the cluster's token authentication (on by default
   in Ray 2.60) and its network, not this module.
 """
-import heapq
 import inspect
-import itertools
 import logging
 import os
 import threading
 import time
-import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from .deadlines import DeadlineWatch, per_process
 from .transport import (RPC_MAX_TIMEOUT_S, WAIT_SLICE_S, Pending, TransportError,
                         TransportSendError, TransportTimeout, check_timeout, set_transport)
 
@@ -180,60 +178,15 @@ def _run_callback(fn: Callable[[], None]) -> None:
         _log.exception("a completion callback of a Ray call failed")
 
 
-class _Watch:
-    """One daemon thread that expires calls at their timeouts (held weakly:
-    a completed call is not kept until a far deadline)."""
-
-    def __init__(self) -> None:
-        self._heap: List[Tuple[float, int, Any, float]] = []
-        self._cond = threading.Condition()
-        self._seq = itertools.count()
-        self._started = False
-
-    def add(self, seconds: float, pending: _RayPending) -> None:
-        deadline = time.monotonic() + seconds
-        with self._cond:
-            if not self._started:
-                self._started = True
-                threading.Thread(target=self._run, daemon=True,
-                                 name="moe_autograd-ray-deadlines").start()
-            heapq.heappush(self._heap, (deadline, next(self._seq), weakref.ref(pending), seconds))
-            if self._heap[0][0] == deadline:
-                self._cond.notify()
-            if len(self._heap) > 4096 and len(self._heap) % 4096 == 1:
-                self._heap = [e for e in self._heap if _open(e)]
-                heapq.heapify(self._heap)
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                now = time.monotonic()
-                due = []
-                while self._heap and self._heap[0][0] <= now:
-                    due.append(heapq.heappop(self._heap))
-                if not due:
-                    self._cond.wait(self._heap[0][0] - now if self._heap else None)
-                    continue
-            for _, _, ref, seconds in due:
-                pending = ref()
-                if pending is not None:
-                    pending.expire(seconds)
+def _expire(pending: "_RayPending", seconds: float) -> None:
+    pending.expire(seconds)
 
 
-def _open(entry: Tuple[float, int, Any, float]) -> bool:
-    pending = entry[2]()
-    return pending is not None and not pending.done()
+def _open(pending: "_RayPending", seconds: float) -> bool:
+    return not pending.done()
 
 
-_watch = _Watch()
-
-
-def _after_fork_in_child() -> None:  # the parent's watcher thread does not exist here
-    global _watch
-    _watch = _Watch()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_watch = per_process(lambda: DeadlineWatch("moe_autograd-ray-deadlines", _expire, _open))
 
 
 # -- the transport ----------------------------------------------------------------------
@@ -326,7 +279,7 @@ class RayTransport:
             raise TransportSendError(_short(error)) from error
         pending = _RayPending(self, worker, ref)
         if limit is not None:
-            _watch.add(limit, pending)
+            _watch().add(time.monotonic() + limit, pending, limit)
         pending._watch_reply()
         return pending
 
