@@ -188,7 +188,7 @@ def check_flips(calls: Sequence["ModuleCall"]) -> None:
     """Raises where an expert called ``requires_grad_()`` on an input that a
     later call of the batch also received: that call got it as a leaf that
     did not require grad (the calls start together), where the loop's later
-    call would see it requiring grad and track its use."""
+    call would see it requiring grad (and, in grad mode, track its use)."""
     for i, call in enumerate(calls):
         for t in call.flipped:
             for later in calls[i + 1:]:

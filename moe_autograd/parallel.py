@@ -241,18 +241,17 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     if not any(call.needs_grad for call in calls):
         for call in calls:  # an input the expert made require grad, and returned
             call.adopt_requires_grad()
+        check_flips(calls)
         results = [call.rebuild(call.outputs) for call in calls]
         for call in calls:
             call.release()
         return results
     # An expert may enable grad under a caller's no_grad: its outputs then
     # have a graph, as in the loop, and the node must carry it.
-    grad_enabled = torch.is_grad_enabled()
-    with nullcontext() if grad_enabled else torch.enable_grad():
+    with nullcontext() if torch.is_grad_enabled() else torch.enable_grad():
         for call in calls:
             call.prepare()
-        if grad_enabled:
-            check_flips(calls)
+        check_flips(calls)
         attached = attach(calls, policy, name=name, phony_device=calls[0].device, lanes=lanes)
     results = []
     for call, outs in zip(calls, attached):

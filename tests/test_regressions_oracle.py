@@ -876,3 +876,43 @@ def test_requires_grad_inside_non_reentrant_frame(mode: str) -> None:
     assert want == "CheckpointError"
     assert run(lambda ms, xs: parallel_apply(ms, xs, mode=mode,
                                              checkpoint=[True, False])) == want
+
+
+class HeadView(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :2]
+
+
+@pytest.mark.xfail(strict=True, reason="D7g: a view of an input returned by a call, the input "
+                   "flipped by requires_grad_() in a later call: the runtime makes the view "
+                   "after the flip (a non-leaf view), the loop before it (a leaf view)")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_view_of_input_before_a_later_flip(mode: str) -> None:
+    """oracle: output:input_view + same_input + stage:requires_grad_; pytest tests/oracle
+    --fuzz-seed=1795473307 --fuzz-case=15648"""
+    x, rx = torch.randn(3, 4), torch.randn(3, 4)
+    got = parallel_apply([HeadView(), Scale(flip=True)], [x, x], mode=mode)[0]
+    want = loop([HeadView(), Scale(flip=True)], [rx, rx])[0]
+    assert (got.requires_grad, got.is_leaf) == (want.requires_grad, want.is_leaf)
+
+
+class FailsInForward(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        raise ValueError("expert failed on purpose")
+
+
+@pytest.mark.xfail(strict=True, reason="D27: a forward failing in a call while a later call "
+                   "draws: the later call ran and took the batch's draw from the global "
+                   "generator; the loop stops before it")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_failed_forward_leaves_global_rng_as_the_loop(mode: str) -> None:
+    """oracle: draws + a forward that raises; pytest tests/oracle --fuzz-seed=1795473307
+    --fuzz-case=4786"""
+    def state_after(runner: Callable[[List[nn.Module], List[Tensor]], Any]) -> Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(3, 4)
+        with pytest.raises(ValueError):
+            runner([FailsInForward(), nn.Dropout(0.5)], [x, x])
+        return torch.get_rng_state()
+    assert torch.equal(state_after(lambda ms, xs: parallel_apply(ms, xs, mode=mode)),
+                       state_after(loop))

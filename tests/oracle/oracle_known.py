@@ -102,11 +102,12 @@ KNOWN_DIVERGENCES: List[Known] = [
     Known("D3-checkpoint-input-modified-in-place",
           "checkpoint=True: the recomputation uses an input modified in place after the call "
           "(the loop raises, or keeps the old values)",
-          lambda c: bool({"post:in_add_", "checkpoint+stage:input_inplace"} & constructs(c))
+          lambda c: bool({"post:in_add_", "checkpoint+stage:input_inplace",
+                          "checkpoint+post:out_mul_on_input"} & constructs(c))
           and _any_checkpointed(c),
           ("backward", "autograd_grad", "grads", "autograd_grad.values", "grads2",
            "after_step", "hooks"), ("value", "missing_error"),
-          witnesses=((0, 877), (1795471345, 6636))),
+          witnesses=((0, 877), (1795471345, 6636), (1795473307, 3722))),
     Known("D5-output-hook-partial-gradient",
           "a hook / retain_grad on an output that other outputs or self.aux are computed from "
           "sees only its direct gradient",
@@ -114,6 +115,29 @@ KNOWN_DIVERGENCES: List[Known] = [
               {"output:tuple", "output:list", "output:aux", "output:internal_views"}
               & constructs(c)), ("hooks", "retained"),
           witnesses=((0, 64), (0, 102), (0, 133))),
+    Known("D7g-view-of-input-before-a-later-flip",
+          "a call returns a view of its input and a later call calls requires_grad_() on "
+          "that input: the loop's view was made before the flip (a leaf view, no grad_fn); "
+          "the runtime replays the view after it (a non-leaf view)",
+          lambda c: _all("stage:requires_grad_", "output:input_view", "same_input")(c),
+          ("outputs", "relations", "post.outputs"),
+          witnesses=((1795473307, 15648), (1795473307, 6403))),
+    Known("D27-failed-forward-after-a-drawing-call",
+          "a forward that fails in a call while a later call draws random numbers: the "
+          "later call ran concurrently and took the batch's draw from the global generator; "
+          "the loop stops before it",
+          lambda c: c.draws and (
+              "raise:forward" in constructs(c)
+              or _all("stage:input_inplace", "stage:requires_grad_")(c)),
+          ("end.rng",),
+          witnesses=((1795473307, 2035), (1795473307, 4786))),
+    Known("D9b-backward-inputs-retained-grad-of-dirty-input",
+          "backward(inputs=...) with retain_grad() on a map's output that is the caller's "
+          "tensor marked dirty: the runtime fills its .grad, the loop's pruned backward "
+          "does not (see D9)",
+          lambda c: c.grad_method == "backward_inputs" and c.retain_grad
+          and c.function == "FDirty", ("grads",),
+          witnesses=((1795473307, 12941),)),
     Known("D7f-requires-grad-in-non-reentrant-frame",
           "x.requires_grad_() inside an expert on an input that did not require grad, in a "
           "non-reentrant checkpoint frame: the loop's recomputation raises CheckpointError "
