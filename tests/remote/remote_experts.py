@@ -234,9 +234,12 @@ def flood(worker: str, name: str, n: int) -> Dict[str, Any]:
 
 # -- the fault world (test_remote_faults.py) ----------------------------------------
 def fault_servers() -> List[ExpertServer]:
-    return [ExpertServer({"lin": nn.Linear(WIDTH, WIDTH), "slow": Sleepy(1.0, fwd=True, bwd=False),
-                          "slow_bwd": SlowBackward(1.0)}),
-            ExpertServer({"sf_slow": Sleepy(1.0, fwd=True, bwd=False)}, backward="stateful")]
+    # The interrupted calls take 3 s, under 10 s deadlines: only the Ctrl-C can
+    # end them in time, however late a loaded machine delivers it (with 1 s
+    # calls under the 1 s rpc_timeout, a late signal met a timeout instead).
+    return [ExpertServer({"lin": nn.Linear(WIDTH, WIDTH), "slow": Sleepy(3.0, fwd=True, bwd=False),
+                          "slow_bwd": SlowBackward(3.0)}),
+            ExpertServer({"sf_slow": Sleepy(3.0, fwd=True, bwd=False)}, backward="stateful")]
 
 
 def fault_client(port: int, server_pid: int, queue: Any) -> None:
@@ -284,15 +287,16 @@ def fault_client(port: int, server_pid: int, queue: Any) -> None:
     x = torch.randn(2, WIDTH, requires_grad=True)
     try:
         attempt("warm", lambda: RemoteExpert("fault-srv", "lin")(x).sum().backward())
-        sf_slow = RemoteExpert("fault-srv", "sf_slow")
+        long = {"forward_timeout": 10.0, "backward_timeout": 10.0}
+        sf_slow = RemoteExpert("fault-srv", "sf_slow", **long)
         stored = sf_slow.remote_stats()["stored"]
-        interrupt("forward", lambda: RemoteExpert("fault-srv", "slow")(x))
+        interrupt("forward", lambda: RemoteExpert("fault-srv", "slow", **long)(x))
         interrupt("stateful_forward", lambda: sf_slow(x))
-        out = RemoteExpert("fault-srv", "slow_bwd")(x)
+        out = RemoteExpert("fault-srv", "slow_bwd", **long)(x)
         interrupt("backward", lambda: out.sum().backward())
-        slow2 = [RemoteExpert("fault-srv", "slow") for _ in range(2)]
+        slow2 = [RemoteExpert("fault-srv", "slow", **long) for _ in range(2)]
         interrupt("parallel_apply", lambda: parallel_apply(slow2, [x, x]))
-        time.sleep(1.0)  # the interrupted calls finish on the server; their replies are dropped
+        time.sleep(3.0)  # the interrupted calls finish on the server; their replies are dropped
         flush_releases()
         time.sleep(0.3)
         stats = sf_slow.remote_stats()
