@@ -10,8 +10,17 @@ The loop
 --------
 A *trainer* process (a real interpreter, so that its exit is the real exit:
 ``python -c "import faults; faults.trainer_main(...)"``) founds an elastic
-world (:meth:`Fleet.start`, the reaper included), starts the servers (forked
-from a forkserver) and trains a two-layer model on them::
+world and starts the servers, on either engine (issue 20: the same plans and
+checks on both):
+
+* ``rpc``: :meth:`Fleet.start` (the reaper included), the servers forked
+  from a forkserver as :class:`ElasticServer` processes (:class:`_World`);
+* ``ray``: a local Ray instance of its own, the servers as named actors
+  (:class:`RayExpertServer`) and a :class:`RayFleet` over them
+  (:class:`_RayWorld`); a signal goes to the actor's process, a drain is
+  ``RayExpertServer.leave()``.
+
+It trains a two-layer model on them::
 
     h    = x + MoE_remote(x)     # RemoteExperts by worker name: r0, r1 on s0, r2, r3 on s1
     out  = h + MoE_fleet(h)      # FleetExperts by expert name: f0 (s0), f1 (s1), f2 (both)
@@ -272,7 +281,11 @@ def server_report() -> Dict[str, Any]:
 
 
 def _thread_kinds() -> List[str]:
-    names = [t.name for t in threading.enumerate() if not t.name.startswith("moe_autograd-worker-")]
+    """This process's threads by kind, the pool's workers apart, and Ray's:
+    the threads of a Ray actor's own pool show as ``Dummy-N`` once they ran
+    Python code, a number that grows with the calls served concurrently."""
+    names = [t.name for t in threading.enumerate()
+             if not t.name.startswith(("moe_autograd-worker-", "Dummy-"))]
     return sorted(name.rstrip("0123456789").rstrip("-_") for name in names)
 
 
@@ -294,6 +307,15 @@ def server_main(port: int, name: str) -> None:
     elastic.join()
     reason = elastic.serve()
     os._exit(3 if reason == "evicted" else 0)
+
+
+def ray_experts(name: str) -> Dict[str, nn.Module]:
+    """The experts factory of the server actor ``name`` in a Ray world (its
+    ``RayExpertServer`` applies ``SERVERS[name]`` as its backward)."""
+    global _me
+    _me = name
+    torch.set_num_threads(1)
+    return {e: Expert(e) for e in HOSTED[name]}
 
 
 # -- the client's transport: drops replies ---------------------------------------------
@@ -357,6 +379,9 @@ class FaultyTransport:
 
     def default_timeout(self) -> Optional[float]:
         return self.inner.default_timeout()  # type: ignore[no-any-return]
+
+    def __getattr__(self, name: str) -> Any:  # the rest of the engine's transport
+        return getattr(self.inner, name)
 
 
 # -- the model, and its local replay -----------------------------------------------------
@@ -497,6 +522,16 @@ class _World:
             if sig == signal.SIGKILL:
                 self.down.add(name)
 
+    def alive(self, name: str) -> bool:
+        return bool(self.processes[name].is_alive())
+
+    def drain(self, name: str) -> None:
+        """Starts a clean leave of ``name`` (it serves what it holds, then exits)."""
+        self.signal(name, signal.SIGUSR1)
+
+    def wait_left(self, name: str, timeout: float) -> None:
+        self.processes[name].join(timeout)
+
     def rpc(self, name: str, fn: Any, *args: Any) -> Any:
         from torch.distributed import rpc
 
@@ -523,6 +558,116 @@ class _World:
             time.sleep(0.05)
         for name in replace:
             self._start(name)
+        if replace:
+            self._wait_served(replace)
+            time.sleep(0.1)
+        self.down.clear()
+
+
+class _RayWorld:
+    """The same world on Ray: a local Ray instance started by the trainer,
+    the servers as named actors (``RayExpertServer``: ``s0`` stateless,
+    ``s1`` stateful), a :class:`~moe_autograd.remote.RayFleet` over them, the
+    faulty transport around a ``RayTransport``. A signal goes to the actor's
+    process; a drain is ``RayExpertServer.leave()`` on a thread of its own."""
+
+    NAMESPACE = "moe_autograd_faults"
+
+    def __init__(self) -> None:
+        import ray
+
+        from moe_autograd.remote import RayFleet, RayTransport
+
+        # address='local': a new instance, never a cluster found through RAY_ADDRESS
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False, namespace=self.NAMESPACE)
+        self.transport = FaultyTransport(RayTransport(self.NAMESPACE, timeout=10.0))
+        self.servers: Dict[str, Any] = {}
+        self.down: Set[str] = set()
+        self.leaving: Dict[str, threading.Thread] = {}
+        self._start(list(SERVERS))
+        self.fleet = RayFleet(self.NAMESPACE, poll=0.1, info_timeout=DEAD_AFTER_S,
+                              transport=self.transport)
+        self._wait_served(list(SERVERS))
+
+    def _start(self, names: Sequence[str], timeout: float = 30.0) -> None:
+        import functools
+
+        from moe_autograd.remote import RayExpertServer
+
+        deadline = time.monotonic() + timeout
+        for name in names:  # all start at once...
+            while True:
+                try:  # a dead actor's name is freed a moment after its death
+                    self.servers[name] = RayExpertServer(
+                        name, functools.partial(ray_experts, name), namespace=self.NAMESPACE,
+                        backward=SERVERS[name], state_ttl=10.0, ready_timeout=60.0, wait=False)
+                    break
+                except ValueError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
+        for name in names:  # ...then each is waited for
+            self.servers[name].wait_ready()
+
+    def _wait_served(self, names: Sequence[str], timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self.fleet.refresh()
+            servers = self.fleet.servers()
+            if all(n in servers for n in names):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"servers {names} not serving after {timeout:g} s: {servers}")
+            time.sleep(0.05)
+
+    def alive(self, name: str) -> bool:
+        if name in self.leaving and not self.leaving[name].is_alive():
+            return False  # left: its actor was ended
+        try:
+            os.kill(self.servers[name].pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def signal(self, name: str, sig: int) -> None:
+        if self.alive(name):
+            os.kill(self.servers[name].pid, sig)
+            if sig == signal.SIGKILL:
+                self.down.add(name)
+
+    def drain(self, name: str) -> None:
+        thread = threading.Thread(target=self.servers[name].leave, name="fault-drain",
+                                  kwargs=dict(drain_timeout=3.0, linger=0.5), daemon=True)
+        thread.start()
+        self.leaving[name] = thread
+
+    def wait_left(self, name: str, timeout: float) -> None:
+        self.leaving[name].join(timeout)
+
+    def rpc(self, name: str, fn: Any, *args: Any) -> Any:
+        return self.servers[name].call(fn, *args, timeout=5.0)
+
+    def restore(self) -> None:
+        """Every server back up: a killed or drained actor is ended and a new
+        one of the same name started."""
+        replace = [n for n in SERVERS
+                   if n in self.down or not self.alive(n) or n not in self.fleet.servers()]
+        for name in replace:
+            if self.alive(name):
+                os.kill(self.servers[name].pid, signal.SIGCONT)
+            self.servers[name].kill()
+            thread = self.leaving.pop(name, None)
+            if thread is not None:
+                thread.join(15.0)
+        deadline = time.monotonic() + 30.0
+        while any(n in self.fleet.servers() for n in replace):  # the fleet saw them go
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{replace} still in the fleet 30 s after their end")
+            time.sleep(0.05)
+        self._start(replace)
+        for name in replace:
+            self.transport.forget(name)  # its calls look the new actor up
         if replace:
             self._wait_served(replace)
             time.sleep(0.1)
@@ -592,8 +737,8 @@ class _Trainer:
         where = f"plan {plan.name!r} step {step}"
         faults = plan.at(step)
         world = self.world
-        for name, process in world.processes.items():
-            if not process.is_alive():  # e.g. reaped while stopped, then woken: it left
+        for name in SERVERS:
+            if not world.alive(name):  # e.g. reaped while stopped, then woken: it left
                 world.down.add(name)
         down_before = set(world.down)
         dropped = world.transport.dropped
@@ -619,7 +764,7 @@ class _Trainer:
                 self._signals(faults, "between", now=True)
                 for f in faults:
                     if f.phase == "drain":
-                        world.signal(f.server, signal.SIGUSR1)
+                        world.drain(f.server)
                 if any(f.phase == "drain" and f.kind in ("kill", "stop") for f in faults):
                     time.sleep(0.05)  # the drain has begun: now the fault
                     self._signals([Fault(f.server, f.step, "between", f.kind) for f in faults
@@ -645,7 +790,7 @@ class _Trainer:
         drained = [f.server for f in faults
                    if f.phase == "drain" and outcome.get("loss") is not None]
         for name in drained:  # it leaves once idle: wait, so that the next step finds it gone
-            world.processes[name].join(15.0)
+            world.wait_left(name, 15.0)
             world.down.add(name)
         stats = [first.stats(), second.stats()]
         self._check_stats(where, faults, down_before, replicas, served_by, stats, outcome)
@@ -748,7 +893,7 @@ class _Trainer:
             flush_releases()
             reports = {}
             for name in SERVERS:
-                if name in self.world.down or not self.world.processes[name].is_alive():
+                if name in self.world.down or not self.world.alive(name):
                     continue
                 try:
                     reports[name] = self.world.rpc(name, server_report)
@@ -774,9 +919,10 @@ class _Trainer:
             before = self.server_threads.setdefault(report["pid"], report["threads"])
             if report["threads"] != before:
                 self.problem(where, f"server {name} threads {report['threads']} != {before}")
+        restoring = time.monotonic()
         self.world.restore()
         return {"name": plan.name, "faults": [asdict(f) for f in plan.faults], "steps": steps,
-                "seconds": time.monotonic() - start}
+                "seconds": time.monotonic() - start, "restore_s": time.monotonic() - restoring}
 
     def exit_with_stragglers(self) -> None:
         """The last act: forwards masked on every server (slow), coalesced
@@ -795,15 +941,16 @@ class _Trainer:
 
 
 def trainer_main(argv: List[str]) -> int:
-    """``plans.json report.json``: runs the plans, writes the report, then
+    """``plans.json report.json [rpc|ray]``: runs the plans, writes the report, then
     exits with :data:`EXIT_STATUS` while masked stragglers still run."""
     from moe_autograd.remote.loopback import free_port
 
     plans_path, report_path = argv[0], argv[1]
+    engine = argv[2] if len(argv) > 2 else "rpc"
     spec = json.loads(open(plans_path).read())
     torch.set_num_threads(1)
     started = time.monotonic()
-    world = _World(free_port())
+    world: Any = _RayWorld() if engine == "ray" else _World(free_port())
     trainer = _Trainer(world)
     report: Dict[str, Any] = {"seed": spec["seed"], "plans": [], "problems": trainer.problems,
                               "startup_s": time.monotonic() - started}

@@ -1,9 +1,10 @@
 """Training under fault plans (issue 18): see :mod:`faults` for the harness.
 
-The fixed plans (:data:`faults.FIXED_PLANS`) run once per session in one
-trainer process; each test below reads its report. ``pytest tests/remote
---plans N [--plans-seed S]`` also runs N random plans (the seed is printed,
-so a failing run replays).
+The fixed plans (:data:`faults.FIXED_PLANS`) run once per session and
+engine in one trainer process (torch RPC, then Ray: the same plans and
+checks); each test below reads its report. ``pytest tests/remote --plans N
+[--plans-seed S]`` also runs N random plans on each engine (the seed is
+printed, so a failing run replays).
 """
 import json
 import os
@@ -24,8 +25,10 @@ _ABORTS = ("terminate called", "FATAL: exception not rethrown", "Aborted", "core
 
 
 def run_plans(plans: List[faults.Plan], seed: int, workdir: Path,
-              timeout: float) -> Tuple[Dict[str, Any], int, str]:
-    """Runs the trainer on ``plans``; returns its report, exit status and stderr."""
+              timeout: float, engine: str = "rpc") -> Tuple[Dict[str, Any], int, str]:
+    """Runs the trainer on ``plans`` over ``engine`` (``rpc``: a torch RPC
+    world; ``ray``: a local Ray instance of its own); returns its report,
+    exit status and output."""
     spec = workdir / "plans.json"
     spec.write_text(json.dumps({"seed": seed, "plans": [p.to_json() for p in plans]}))
     report = workdir / "report.json"
@@ -35,7 +38,8 @@ def run_plans(plans: List[faults.Plan], seed: int, workdir: Path,
         [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
     env.pop("MOE_AUTOGRAD_WORKERS", None)
     env.setdefault("PYTHONFAULTHANDLER", "1")
-    done = subprocess.run([sys.executable, "-c", entry, str(spec), str(report)], cwd=str(ROOT),
+    done = subprocess.run([sys.executable, "-c", entry, str(spec), str(report), engine],
+                          cwd=str(ROOT),
                           env=env, capture_output=True, text=True, timeout=timeout)
     data = json.loads(report.read_text()) if report.exists() else {"problems": ["no report"]}
     return data, done.returncode, done.stdout + done.stderr
@@ -47,10 +51,17 @@ def _summary(report: Dict[str, Any], status: int, output: str) -> str:
             f"-- trainer output (tail) --\n{output[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def fixed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Dict[str, Any], int, str]]:
+@pytest.fixture(scope="module", params=["rpc", "ray"])
+def fixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[Tuple[Dict[str, Any], int, str]]:
+    """The fixed plans' report, on each engine (issue 20: one conformance
+    suite): the same plans, checks and exit under torch RPC and under Ray."""
+    engine = request.param
+    if engine == "ray":
+        pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
     started = time.monotonic()
-    result = run_plans(faults.FIXED_PLANS, 1800, tmp_path_factory.mktemp("fixed-plans"), 240)
+    result = run_plans(faults.FIXED_PLANS, 1800, tmp_path_factory.mktemp(f"fixed-plans-{engine}"),
+                       240, engine)
     result[0]["wall_s"] = time.monotonic() - started
     yield result
 
@@ -108,18 +119,22 @@ def test_replica_dies_between_forward_and_backward(fixed: Tuple[Dict[str, Any], 
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("engine", ["rpc", "ray"])
 def test_random_plans(request: pytest.FixtureRequest, tmp_path: Path,
-                      capsys: pytest.CaptureFixture[str]) -> None:
+                      capsys: pytest.CaptureFixture[str], engine: str) -> None:
     n = int(request.config.getoption("--plans", 0) or 0)
     if n <= 0:
         pytest.skip("random fault plans run with --plans N (pytest tests/remote --plans 5)")
+    if engine == "ray":
+        pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
     seed = request.config.getoption("--plans-seed", None)
     seed = random.randrange(1 << 30) if seed is None else int(seed)
-    line = f"random fault plans: seed={seed} (replay: --plans {n} --plans-seed {seed})"
+    line = (f"random fault plans on {engine}: seed={seed} "
+            f"(replay: --plans {n} --plans-seed {seed})")
     with capsys.disabled():
         print(f"\n{line}", flush=True)
     plans = faults.random_plans(seed, n)
-    report, status, output = run_plans(plans, seed, tmp_path, 120 + 60 * n)
+    report, status, output = run_plans(plans, seed, tmp_path, 120 + 60 * n, engine)
     assert not report["problems"], f"{line}\n" + _summary(report, status, output)
     assert status == faults.EXIT_STATUS, f"{line}\n" + _summary(report, status, output)
     assert not any(text in output for text in _ABORTS), f"{line}\n" + _summary(report, status,
