@@ -29,7 +29,7 @@ from .collect import function_collector, run_applies
 from .executor import run_all
 from .node import Grads, IsolatedCall, attach, replayable_view
 from .policy import INLINE, LANES, Decision, Measure, choose
-from .rng import CallRng
+from .rng import CallRng, rewind_unrun_draws
 from .tls import bind, capture
 from .transforms import functorch_active, opaque_to_dynamo, sequential_mode
 
@@ -350,8 +350,12 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
 
     def task(i: int) -> Callable[[], Tuple[EmulatedAutogradContext, Any]]:
         def run() -> Tuple[EmulatedAutogradContext, Any]:
-            with rngs[i].activate():
-                return run_isolated_forward(func, *args[i])
+            try:
+                with rngs[i].activate():
+                    return run_isolated_forward(func, *args[i])
+            except BaseException:
+                rngs[i].failed()
+                raise
         return bind(state, measure.timed(i, run), saves[i])
 
     lanes = decision.lanes if decision.mode == LANES else None
@@ -359,7 +363,11 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
     if collector is not None:  # calls that wait (remote): started together, no worker each
         ran = run_applies(func, collector, args, f"{func.__name__}: call", measure)
     else:
-        ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call", lanes=lanes)
+        try:
+            ran = run_all([task(i) for i in range(n)], f"{func.__name__}: call", lanes=lanes)
+        except BaseException:
+            rewind_unrun_draws(rngs)
+            raise
     calls = [_FunctionCall(func, args[i], i, n, ctx, outputs) for i, (ctx, outputs) in enumerate(ran)]
     for call, s in zip(calls, saves):
         call.saves = s

@@ -34,7 +34,7 @@ from .executor import TaskGroup
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
-from .rng import CallRng
+from .rng import CallRng, rewind_unrun_draws
 from .tls import autocast_enabled, bind, capture
 from .transforms import check_parallel_mode, functorch_active, opaque_to_dynamo, sequential_mode
 
@@ -128,8 +128,12 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
 
     def task(call: ModuleCall) -> Callable[[], ModuleCall]:
         def run() -> ModuleCall:
-            with torch.set_grad_enabled(grad_enabled):
-                return call.forward()
+            try:
+                with torch.set_grad_enabled(grad_enabled):
+                    return call.forward()
+            except BaseException:
+                call.rng.failed()
+                raise
         return bind(state, run, call.saves)
 
     return calls, [task(c) for c in calls]
@@ -298,8 +302,12 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
         calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
                                    None, None)
         tasks = _in_call_order(calls, tasks)
-        run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],
-                  "parallel_apply: call", lanes=lanes, measure=measure)
+        try:
+            run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],
+                      "parallel_apply: call", lanes=lanes, measure=measure)
+        except BaseException:
+            rewind_unrun_draws([call.rng for call in calls])
+            raise
         return finish_calls(calls, lanes=lanes)
 
 

@@ -72,7 +72,9 @@ Invariants
 * Inside :meth:`CallRng.activate` the global generators are neither read nor
   advanced, but for the one draw of a lazily forked batch's seeds (from the
   default CPU generator, at the batch's first random op): a batch of calls that
-  draw nothing leaves every global generator as a plain loop of them would. Inside the first :meth:`ReplayRng.activate` they are read at the
+  draw nothing leaves every global generator as a plain loop of them would,
+  and so does a batch that raises in a call before any call that drew
+  (:func:`rewind_unrun_draws`: the loop stopped before the drawing calls). Inside the first :meth:`ReplayRng.activate` they are read at the
   first draw per device and advanced once, at exit, to where the plain code
   would have left them (unless another thread drew from them meanwhile: then
   they are left as that thread left them).
@@ -106,13 +108,14 @@ Limits
 """
 import threading
 import zlib
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor
 from torch.library import Library, fallthrough_kernel
 
-__all__ = ["CallRng", "ReplayRng", "RandomStream", "active_stream", "routed_ops", "DISPATCH_KEY"]
+__all__ = ["CallRng", "ReplayRng", "RandomStream", "active_stream", "routed_ops",
+           "rewind_unrun_draws", "DISPATCH_KEY"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -223,14 +226,23 @@ class _LazySeeds:
     """The seeds of a batch of streams forked outside any stream: drawn from
     the default CPU generator, all at once, when the first of them is needed
     (the first random op of any of the calls). A batch whose calls draw
-    nothing leaves the global generator untouched, as the plain calls would."""
+    nothing leaves the global generator untouched, as the plain calls would.
 
-    __slots__ = ("n", "values", "lock")
+    A batch that raises in call ``f`` is one whose loop stopped there: if
+    only calls after ``f`` drew (they ran concurrently), the loop never moved
+    the generator, so :func:`rewind_unrun_draws` puts it back (``first``: the
+    lowest call that asked for its seed; ``failed``: the lowest that failed;
+    ``states``: the generator's state before and after the draw)."""
+
+    __slots__ = ("n", "values", "lock", "first", "failed", "states")
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.values: Optional[List[int]] = None
         self.lock = threading.Lock()
+        self.first = n
+        self.failed = n
+        self.states: Optional[Tuple[Tensor, Tensor]] = None
 
     def get(self, i: int) -> int:
         values = self.values
@@ -238,11 +250,29 @@ class _LazySeeds:
             with self.lock:
                 values = self.values
                 if values is None:
+                    before = torch.default_generator.get_state()
                     # An explicit generator: the router passes it through,
                     # whichever stream is active on the drawing thread.
                     values = self.values = torch.empty(self.n, dtype=torch.int64).random_(
                         -(1 << 63), None, generator=torch.default_generator).tolist()
+                    self.states = (before, torch.default_generator.get_state())
+        if i < self.first:
+            with self.lock:
+                self.first = min(self.first, i)
         return values[i]
+
+    def fail(self, i: int) -> None:
+        with self.lock:
+            self.failed = min(self.failed, i)
+
+    def rewind(self) -> None:
+        with self.lock:
+            states = self.states
+            if states is None or self.first <= self.failed:
+                return  # nothing drawn, or a call the loop ran drew
+            if torch.equal(torch.default_generator.get_state(), states[1]):
+                torch.default_generator.set_state(states[0])  # nobody drew since
+            self.states = None
 
 
 class CallRng:
@@ -302,6 +332,12 @@ class CallRng:
         seeded by :attr:`seed` (fresh ones on every entry)."""
         return _Activation(self)
 
+    def failed(self) -> None:
+        """Records that this stream's call failed (see :func:`rewind_unrun_draws`)."""
+        if self._lazy is not None:
+            seeds, i = self._lazy
+            seeds.fail(i)
+
     def _opened(self, activation: _Activation) -> None:
         pass
 
@@ -320,6 +356,20 @@ class CallRng:
         if self._seed is None:
             return "CallRng(seed not drawn yet)"
         return f"CallRng(seed={self._seed:#018x})"
+
+
+def rewind_unrun_draws(streams: Sequence[Optional[RandomStream]]) -> None:
+    """A batch whose calls ran concurrently raised (a call's
+    :meth:`CallRng.failed` was recorded): if its seeds were drawn from the
+    default generator only for calls after the first that failed (calls the
+    loop never reached), puts the generator back where the draw found it,
+    unless something else drew from it since."""
+    seen: Set[int] = set()
+    for stream in streams:
+        lazy = getattr(stream, "_lazy", None)
+        if lazy is not None and id(lazy[0]) not in seen:
+            seen.add(id(lazy[0]))
+            lazy[0].rewind()
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

@@ -20,7 +20,7 @@ import torch
 import torch.utils.checkpoint as tuc
 from torch import Tensor, nn
 
-from moe_autograd import parallel_apply
+from moe_autograd import map_with_parallel_backward, parallel_apply
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -901,13 +901,12 @@ class FailsInForward(nn.Module):
         raise ValueError("expert failed on purpose")
 
 
-@pytest.mark.xfail(strict=True, reason="D27: a forward failing in a call while a later call "
-                   "draws: the later call ran and took the batch's draw from the global "
-                   "generator; the loop stops before it")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_failed_forward_leaves_global_rng_as_the_loop(mode: str) -> None:
-    """oracle: draws + a forward that raises; pytest tests/oracle --fuzz-seed=1795473307
-    --fuzz-case=4786"""
+    """Was D27: a later call that draws ran concurrently with the failing one
+    and took the batch's draw from the global generator; the loop stopped
+    before it. oracle: draws + a forward that raises; pytest tests/oracle
+    --fuzz-seed=1795473307 --fuzz-case=4786"""
     def state_after(runner: Callable[[List[nn.Module], List[Tensor]], Any]) -> Tensor:
         torch.manual_seed(0)
         x = torch.randn(3, 4)
@@ -916,3 +915,83 @@ def test_failed_forward_leaves_global_rng_as_the_loop(mode: str) -> None:
         return torch.get_rng_state()
     assert torch.equal(state_after(lambda ms, xs: parallel_apply(ms, xs, mode=mode)),
                        state_after(loop))
+
+
+class _DropoutThenFail(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, fail: bool) -> Tensor:  # type: ignore[override]
+        if fail:
+            raise ValueError("call failed on purpose")
+        return torch.nn.functional.dropout(x, 0.5)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_failed_map_call_leaves_global_rng_as_the_loop(mode: str) -> None:
+    """D27's fix on the map path: call 0 fails, call 1 draws."""
+    def state_after(runner: Callable[[], Any]) -> Tensor:
+        torch.manual_seed(0)
+        with pytest.raises(ValueError):
+            runner()
+        return torch.get_rng_state()
+    x = torch.randn(3, 4)
+    mapped = state_after(lambda: map_with_parallel_backward(
+        _DropoutThenFail, [(x, True), (x, False)], mode=mode))
+    looped = state_after(lambda: [_DropoutThenFail.apply(x, f) for f in (True, False)])
+    assert torch.equal(mapped, looped)
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_failed_call_after_a_drawing_call_keeps_the_draw(mode: str) -> None:
+    """The loop ran the drawing call 0 before call 1 failed: the generator
+    moved, so the batch's one draw stays (the rewind is only for calls the
+    loop never reached)."""
+    def state_after(fail: bool) -> Tensor:
+        torch.manual_seed(0)
+        x = torch.randn(3, 4)
+        modules = [nn.Dropout(0.5), FailsInForward() if fail else nn.Identity()]
+        if fail:
+            with pytest.raises(ValueError):
+                parallel_apply(modules, [x, x], mode=mode)
+        else:
+            parallel_apply(modules, [x, x], mode=mode)
+        return torch.get_rng_state()
+    torch.manual_seed(0)
+    torch.randn(3, 4)
+    untouched = torch.get_rng_state()
+    assert torch.equal(state_after(True), state_after(False))
+    assert not torch.equal(state_after(True), untouched)
+
+
+class _Dirty(torch.autograd.Function):
+    """Doubles its input in place (``mark_dirty``) and returns it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        x.mul_(2)
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        return grad * 2
+
+
+@pytest.mark.xfail(strict=True, reason="D9b: backward(inputs=...) does not prune inside the "
+                   "map's node: the retained grad of a call off the inputs' paths is filled")
+def test_backward_inputs_leaves_retained_grad_of_a_pruned_dirty_call_empty() -> None:
+    """oracle: pytest tests/oracle --fuzz-seed=1795473307 --fuzz-case=12941"""
+    def retained(runner: Callable[[List[Tuple[Tensor]]], Any]) -> List[Any]:
+        torch.manual_seed(0)
+        root, other = torch.randn(3, 4, requires_grad=True), torch.randn(3, 4, requires_grad=True)
+        outs = runner([(root * 1,), (other * 1,)])
+        for out in outs:
+            out.retain_grad()
+        sum(out.sum() for out in outs).backward(inputs=[root])
+        return [out.grad for out in outs]
+    got = retained(lambda args: list(map_with_parallel_backward(_Dirty, args, mode="parallel")))
+    want = retained(lambda args: [_Dirty.apply(*a) for a in args])
+    assert [g is None for g in got] == [g is None for g in want]

@@ -122,15 +122,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: _all("stage:requires_grad_", "output:input_view", "same_input")(c),
           ("outputs", "relations", "post.outputs"),
           witnesses=((1795473307, 15648), (1795473307, 6403))),
-    Known("D27-failed-forward-after-a-drawing-call",
-          "a forward that fails in a call while a later call draws random numbers: the "
-          "later call ran concurrently and took the batch's draw from the global generator; "
-          "the loop stops before it",
-          lambda c: c.draws and (
-              "raise:forward" in constructs(c)
-              or _all("stage:input_inplace", "stage:requires_grad_")(c)),
-          ("end.rng",),
-          witnesses=((1795473307, 2035), (1795473307, 4786))),
     Known("D9b-backward-inputs-retained-grad-of-dirty-input",
           "backward(inputs=...) with retain_grad() on a map's output that is the caller's "
           "tensor marked dirty: the runtime fills its .grad, the loop's pruned backward "
