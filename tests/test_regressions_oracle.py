@@ -939,7 +939,7 @@ def test_failed_map_call_leaves_global_rng_as_the_loop(mode: str) -> None:
         return torch.get_rng_state()
     x = torch.randn(3, 4)
     mapped = state_after(lambda: map_with_parallel_backward(
-        _DropoutThenFail, [(x, True), (x, False)], mode=mode))
+        _DropoutThenFail, (x, True), (x, False), mode=mode))
     looped = state_after(lambda: [_DropoutThenFail.apply(x, f) for f in (True, False)])
     assert torch.equal(mapped, looped)
 
@@ -992,6 +992,7 @@ def test_backward_inputs_leaves_retained_grad_of_a_pruned_dirty_call_empty() -> 
             out.retain_grad()
         sum(out.sum() for out in outs).backward(inputs=[root])
         return [out.grad for out in outs]
-    got = retained(lambda args: list(map_with_parallel_backward(_Dirty, args, mode="parallel")))
+    got = retained(lambda args: [out for (out,) in map_with_parallel_backward(
+        _Dirty, *args, mode="parallel")])
     want = retained(lambda args: [_Dirty.apply(*a) for a in args])
     assert [g is None for g in got] == [g is None for g in want]
