@@ -80,8 +80,12 @@ Invariants
   they are left as that thread left them).
 * The innermost activation on a thread rules; leaving it restores the outer one
   and the thread's dispatch state.
-* :meth:`CallRng.fork` inside an active stream draws from that stream, so a
-  nested call gets the same seed again when its parent is recomputed.
+* :meth:`CallRng.fork` inside an active :class:`CallRng` derives the child's
+  seed from the parent's seed and the fork's place in the activation, without
+  drawing (a nested batch that draws nothing leaves every generator alone, and
+  the parent's own draws are not shifted); inside a :class:`ReplayRng` it
+  draws from that stream. Either way a nested call gets the same seed again
+  when its parent is recomputed.
 * A seeded op that the router cannot route raises instead of drawing from a
   global generator.
 
@@ -171,13 +175,15 @@ def active_stream() -> Optional[RandomStream]:
 class _Activation:
     """One ``with stream.activate():``. Holds the generators it created."""
 
-    __slots__ = ("stream", "outer", "generators", "drew", "capture", "_saved")
+    __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "_saved")
 
     def __init__(self, stream: RandomStream) -> None:
         self.stream = stream
         self.outer: Optional[_Activation] = None
         self.generators: Dict[torch.device, torch.Generator] = {}
         self.drew = False
+        #: Streams forked in this activation so far (see :meth:`derive`).
+        self.forks = 0
         #: For the capturing activation of a ReplayRng: device -> (source, state).
         self.capture: Optional[Dict[torch.device, Tuple[torch.Generator, Tensor]]] = None
         self._saved = (False, False)
@@ -209,6 +215,20 @@ class _Activation:
             if len(spare) < _SPARE_PER_DEVICE:
                 spare.append(gen)
         self.generators = {}
+
+    def derive(self, n: int) -> Optional["_DerivedSeeds"]:
+        """Seeds for the next ``n`` streams forked in a :class:`CallRng`'s
+        activation, derived from its seed without drawing (None in a
+        :class:`ReplayRng`'s: those draw from it). Marks the activation as
+        drawn from, so that a replay activates it again and the forks get the
+        same seeds."""
+        stream = self.stream
+        if not isinstance(stream, CallRng):
+            return None
+        first = self.forks
+        self.forks = first + n
+        self.drew = True
+        return _DerivedSeeds(stream, first)
 
     def generator(self, device: torch.device) -> torch.Generator:
         """This activation's generator for ``device``; marks it as drawn from."""
@@ -275,6 +295,38 @@ class _LazySeeds:
             self.states = None
 
 
+class _DerivedSeeds:
+    """The seeds of streams forked inside a :class:`CallRng`'s activation:
+    the ``first + i``-th fork's seed is a hash of the parent stream's seed and
+    ``first + i``, so the parent's own draws are not shifted by the forks, the
+    parent's seed is needed (drawn, if it is lazy) only when a child draws,
+    and a recomputation of the parent forks the same seeds again. (A nested
+    batch of calls that draw nothing leaves every generator alone, as its
+    plain loop would.)"""
+
+    __slots__ = ("parent", "first")
+
+    def __init__(self, parent: "CallRng", first: int) -> None:
+        self.parent = parent
+        self.first = first
+
+    def get(self, i: int) -> int:
+        return _mix64(self.parent.seed ^ _mix64(_FORK_SALT + self.first + i))
+
+    def fail(self, i: int) -> None:
+        pass  # a parent's draw is the parent's (see _LazySeeds.rewind)
+
+    def rewind(self) -> None:
+        pass
+
+
+#: Salts the derived seeds of forks (see :class:`_DerivedSeeds`) apart from the
+#: per-device codes a stream's own generators are seeded with.
+_FORK_SALT = 0x5EED_F0CC_0000_0000
+
+_Seeds = Union[_LazySeeds, _DerivedSeeds]
+
+
 class CallRng:
     """The random stream of one call: a seed, replayed by every :meth:`activate`.
 
@@ -283,7 +335,7 @@ class CallRng:
 
     __slots__ = ("_seed", "_lazy", "drew")
 
-    def __init__(self, seed: Optional[int] = None, lazy: Optional[Tuple[_LazySeeds, int]] = None
+    def __init__(self, seed: Optional[int] = None, lazy: Optional[Tuple[_Seeds, int]] = None
                  ) -> None:
         self._seed: Optional[int] = None if seed is None else int(seed) & _MASK64
         self._lazy = lazy
@@ -304,11 +356,18 @@ class CallRng:
 
     @classmethod
     def fork(cls, generator: Optional[torch.Generator] = None) -> "CallRng":
-        """A fresh stream: a 64-bit seed from ``generator``, or from the
-        active stream if this thread is in one, drawn now; otherwise from the
-        default CPU generator, drawn when the stream first draws."""
-        if generator is None and not _local.stack:
-            return cls(lazy=(_LazySeeds(1), 0))
+        """A fresh stream: a 64-bit seed drawn now from ``generator``, or from
+        the active stream if that is a :class:`ReplayRng`; derived from the
+        active :class:`CallRng`'s seed and the fork's place in its activation
+        (see :class:`_DerivedSeeds`); otherwise from the default CPU
+        generator, drawn when the stream first draws."""
+        if generator is None:
+            stack = _local.stack
+            if not stack:
+                return cls(lazy=(_LazySeeds(1), 0))
+            derived = stack[-1].derive(1)
+            if derived is not None:
+                return cls(lazy=(derived, 0))
         buffer = _local.seed_buffer
         if buffer is None:
             buffer = _local.seed_buffer = torch.empty((), dtype=torch.int64)
@@ -316,11 +375,13 @@ class CallRng:
 
     @classmethod
     def fork_many(cls, n: int) -> List["CallRng"]:
-        """``n`` streams, forked in order with one draw of ``n`` seeds (as
-        :meth:`fork`: from the active stream now, or from the default CPU
-        generator when one of them first draws)."""
-        if not _local.stack:
-            seeds = _LazySeeds(n)
+        """``n`` streams, forked in order (as :meth:`fork`: derived from the
+        active :class:`CallRng`, drawn from an active :class:`ReplayRng` now,
+        or from the default CPU generator with one draw of ``n`` seeds when
+        one of them first draws)."""
+        stack = _local.stack
+        seeds: Optional[_Seeds] = _LazySeeds(n) if not stack else stack[-1].derive(n)
+        if seeds is not None:
             return [cls(lazy=(seeds, i)) for i in range(n)]
         if n == 1:
             return [cls.fork()]

@@ -112,6 +112,28 @@ def test_fork_inside_activation_replays():
     assert inner1 == inner2
 
 
+def test_forks_inside_a_stream_draw_nothing_and_differ():
+    """A fork inside a call's stream derives its seed: the parent's own draws
+    are the same with or without the fork, a lazy parent's seed is drawn from
+    the global generator only when a child draws, and siblings differ."""
+    with CallRng(3).activate():
+        plain = torch.rand(4)
+    with CallRng(3).activate():
+        children = [CallRng.fork(), *CallRng.fork_many(2)]
+        forked = torch.rand(4)
+    assert torch.equal(plain, forked)
+    assert len({c.seed for c in children}) == 3 and 3 not in {c.seed for c in children}
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    (lazy,) = CallRng.fork_many(1)
+    with lazy.activate():
+        (child,) = CallRng.fork_many(1)
+    assert torch.equal(torch.get_rng_state(), before)  # nothing drew
+    with child.activate():
+        torch.rand(1)
+    assert not torch.equal(torch.get_rng_state(), before)  # the child's draw needed the seed
+
+
 def test_seed_is_64_bit_and_repr():
     assert CallRng(-1).seed == 2 ** 64 - 1
     assert "seed=" in repr(CallRng(5))
