@@ -3,15 +3,16 @@
 Lifecycle::
 
     plain:        forward (grad on, graph kept) -> prepare ........ backward(grads) -> release
-    checkpointed: forward (no_grad, inputs kept) -> prepare -> recompute (grad on, same RNG,
-                                                  forward's autocast) -> backward(grads) -> release
+    checkpointed: forward (grad on, nothing saved, inputs kept) -> prepare -> recompute (same
+                  RNG, forward's autocast and module state) -> backward(grads) -> release
 
 The call's tensor inputs are detached leaves (``requires_grad`` kept), so its
 graph ends at them and never reaches into the caller's graph. Its record's
 ``inputs`` (the parallel node's inputs for this call) are the caller's tensors
 that require grad followed by its *parameters*: the other leaves its graph
-reaches (for a checkpointed call, the expert module's parameters that require
-grad), then one copy of a tensor per extra gradient term its graph gives it
+reaches (a checkpointed call's forward builds its graph too, with saved-tensor
+hooks that keep nothing, so the expert sees grad mode as in the loop and its
+outputs require grad as the loop's), then one copy of a tensor per extra gradient term its graph gives it
 (a tensor read on several paths, see :mod:`moe_autograd.terms`). Backward
 computes the gradients with ``torch.autograd.grad`` and returns one per entry
 (a split tensor's terms one per slot); the engine accumulates them, so no
@@ -26,8 +27,8 @@ Invariants:
 * A checkpointed call recomputes under the autocast / inference state of its
   forward (not of the backward's thread), as ``torch.utils.checkpoint`` does.
 * A checkpointed call whose recomputed graph reaches a tensor that requires
-  grad but is neither an input nor a declared parameter raises, naming the
-  call: its gradient would otherwise be lost silently.
+  grad but is neither an input nor a leaf its forward's graph reached raises,
+  naming the call: its gradient would otherwise be lost silently.
 * :meth:`ModuleCall.release` drops every tensor the call holds, the caller's
   inputs included.
 * The node carries only the result's *roots*: tensors the call's graph made.
@@ -218,6 +219,21 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
         return _run_expert(module, args, kwargs, _device_of(module, leaves), name)
 
 
+def _drop(t: Tensor) -> None:
+    return None
+
+
+def _unreachable(packed: None) -> Tensor:
+    raise RuntimeError("moe_autograd: a checkpointed call's forward graph was differentiated; "
+                       "only its recomputation's may be")
+
+
+def _saving_nothing() -> Any:
+    """Saved-tensor hooks that keep nothing: a checkpointed call's forward
+    runs with grad on, as the loop's, and keeps only its graph's shape."""
+    return torch.autograd.graph.saved_tensors_hooks(_drop, _unreachable)
+
+
 class ModuleCall(IsolatedCall):
     """One call of an expert (module or callable) on an isolated graph."""
 
@@ -287,8 +303,23 @@ class ModuleCall(IsolatedCall):
             assert self._leaves is not None
             self._versions = self._input_versions()
             constant = [v for v in self._leaves if isinstance(v, Tensor) and not v.requires_grad]
-            with torch.no_grad(), enable_checkpointing(), self.rng.activate():
-                result = self._call()
+            # Grad on, as in the loop (the expert sees it; its outputs and
+            # attributes require grad as the loop's; the graph says which
+            # leaves it reaches), but nothing saved: the graph is only looked
+            # at, and the recomputation builds the one backward runs.
+            first = _next_sequence_nr()
+            with _saving_nothing(), enable_checkpointing(), self.rng.activate():
+                try:
+                    result = self._call()
+                except RuntimeError as error:
+                    if "leaf Variable that requires grad" not in str(error):
+                        raise
+                    raise RuntimeError(
+                        f"{self.name}: the checkpointed expert modified in place an input that "
+                        "requires grad; its recomputation would see other values: clone the "
+                        "input first, or call this expert with checkpoint=False") from error
+            last = _next_sequence_nr() if first is not None else None
+            self._made = None if first is None or last is None else (first, last)
             if any(v.requires_grad for v in constant):
                 # The loop tracks such an input from the requires_grad_() on;
                 # a recomputation would track it from the start of the call.
@@ -338,7 +369,7 @@ class ModuleCall(IsolatedCall):
                 return found
             if id(t) in inputs:
                 found = ("input", inputs[id(t)])
-            elif t.grad_fn is None and (t.requires_grad or not self.checkpoint):
+            elif t.grad_fn is None:
                 found = ("self", k)  # a parameter or a constant: the loop returns it as is
             else:
                 found = ("root", len(roots))
@@ -363,10 +394,7 @@ class ModuleCall(IsolatedCall):
         self._tensors = tensors if self._layout is not None else None
         if not self.checkpoint:
             self._local_outputs = self.outputs
-            self.non_differentiable = [o for o in self.outputs if not o.requires_grad]
-        else:
-            self.non_differentiable = [o for o in self.outputs
-                                       if not (o.is_floating_point() or o.is_complex())]
+        self.non_differentiable = [o for o in self.outputs if not o.requires_grad]
 
     def _roots_of(self, tensors: Sequence[Tensor]) -> List[Tensor]:
         if self._layout is None:
@@ -387,29 +415,16 @@ class ModuleCall(IsolatedCall):
         assert self._leaves is not None
         return [v._version for v in self._leaves if isinstance(v, Tensor)]
 
-    def _declared_params(self) -> List[Tensor]:
-        if not isinstance(self.module, nn.Module):
-            return []
-        known = set(map(id, self._grad_leaves))
-        params: List[Tensor] = []
-        for p in self.module.parameters():
-            if p.requires_grad and id(p) not in known:
-                known.add(id(p))
-                params.append(p)
-        return params
-
     def prepare(self) -> None:
         """On the caller, after the forward: appends the call's parameters to
         its ``inputs`` (the leaves its graph reaches, or for a checkpointed
         call the module's parameters)."""
         self.adopt_requires_grad()
-        if self.checkpoint:
-            self.params = self._declared_params()
-        else:
-            differentiable = [o for o in self.outputs if o.requires_grad]
-            edges: Edges = {}
-            self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
-                                        self._made, self.name, edges)
+        differentiable = [o for o in self.outputs if o.requires_grad]
+        edges: Edges = {}
+        self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
+                                    self._made, self.name, edges)
+        if not self.checkpoint:
             self._split = TermSplit.of(self.inputs + self.params,
                                        self._grad_leaves + self.params, edges)
         self.inputs = self.inputs + self.params
@@ -436,8 +451,6 @@ class ModuleCall(IsolatedCall):
     @property
     def needs_grad(self) -> bool:
         # Not the caller's grad mode: an expert may enable grad itself.
-        if self.checkpoint:
-            return bool(self.inputs) or bool(self._declared_params())
         return any(o.requires_grad for o in self.outputs)
 
     @property
@@ -512,10 +525,10 @@ class ModuleCall(IsolatedCall):
                  if t.numel()]
         if stray:
             raise RuntimeError(
-                f"{self.name}: the checkpointed call differentiates into {len(stray)} tensor(s) "
-                "that are neither its inputs nor parameters of the expert module (e.g. a "
-                "closure over a weight); pass them as inputs, or make the expert an "
-                "nn.Module that owns them")
+                f"{self.name}: the checkpointed call's recomputation differentiates into "
+                f"{len(stray)} tensor(s) that its forward did not reach (neither its inputs "
+                "nor leaves of its forward's graph): the expert is not deterministic given "
+                "its inputs, module state and random stream, so it cannot be recomputed")
         self._local_outputs = outputs
 
     def _modified_outputs(self) -> List[int]:

@@ -360,9 +360,6 @@ def test_parallel_apply_output_flags_match_sequential(case: str) -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, reason=(
-    "known limit (README 'Known limits'): checkpoint=True outputs of a floating dtype "
-    "always require grad, as with the reentrant torch.utils.checkpoint"))
 def test_checkpointed_call_output_flags_match_sequential() -> None:
     """An expert whose output does not depend on its (differentiable) input."""
     x = randn(3, 4, seed=5)

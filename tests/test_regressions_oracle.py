@@ -60,15 +60,15 @@ class Nested(nn.Module):
         return a + b
 
 
-@pytest.mark.xfail(strict=True, reason="D1: a nested parallel_apply draws from the global "
-                   "generator although nothing draws random numbers")
+@pytest.mark.parametrize("checkpoint", [False, True])
 @pytest.mark.parametrize("mode", MODES)
-def test_nested_parallel_apply_leaves_global_rng_alone(mode: str) -> None:
-    """oracle: stage nested; e.g. pytest tests/oracle --fuzz-seed=0 --fuzz-case=32"""
+def test_nested_parallel_apply_leaves_global_rng_alone(mode: str, checkpoint: bool) -> None:
+    """oracle: stage nested; e.g. pytest tests/oracle --fuzz-seed=0 --fuzz-case=32 (was D1)"""
     (expert,), _ = twins(Nested)
     torch.manual_seed(1)
     before = torch.get_rng_state()
-    parallel_apply([expert], [torch.ones(3, 4)], mode=mode)
+    x = torch.ones(3, 4, requires_grad=True)
+    parallel_apply([expert], [x], mode=mode, checkpoint=checkpoint)[0].sum().backward()
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -89,8 +89,6 @@ class TensorAttr(nn.Module):
         return self.fc(x) * (1 + self.count)
 
 
-@pytest.mark.xfail(strict=True, reason="D2: checkpoint=True turns a detached tensor attribute "
-                   "set in forward into one that requires grad")
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpointed_call_keeps_tensor_attribute_as_set(mode: str) -> None:
     """oracle: checkpoint:all + stage:counter; pytest tests/oracle --fuzz-seed=0 --fuzz-case=13"""
@@ -498,21 +496,28 @@ class DoublesInput(nn.Module):
         return x * self.w
 
 
-@pytest.mark.parametrize("checkpoint", [
-    pytest.param(False, marks=pytest.mark.xfail(
-        strict=True, reason="D15: an expert's in-place op on its non-leaf input raises 'a leaf "
-        "Variable that requires grad is being used in an in-place operation'")),
-    True,
-])
+@pytest.mark.xfail(strict=True, reason="D15: an expert's in-place op on its non-leaf input "
+                   "raises 'a leaf Variable that requires grad is being used in an in-place "
+                   "operation'")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
-def test_expert_in_place_on_its_input(mode: str, checkpoint: bool) -> None:
+def test_expert_in_place_on_its_input(mode: str) -> None:
     """oracle: stage:input_inplace + x:nonleaf; pytest tests/oracle --fuzz-seed=0 --fuzz-case=640"""
     root = torch.randn(3, 4, requires_grad=True)
     x = root * 1.5
-    parallel_apply([DoublesInput()], [x], checkpoint=checkpoint, mode=mode)
+    parallel_apply([DoublesInput()], [x], mode=mode)
     rx = root * 1.5
     DoublesInput()(rx)
     assert bits_equal(x, rx)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_expert_in_place_on_its_input_raises(mode: str) -> None:
+    """A checkpointed expert that modifies its input in place: its recomputation
+    would see other values, so the forward raises, naming the call and why."""
+    x = torch.randn(3, 4, requires_grad=True) * 1.5
+    with pytest.raises(RuntimeError, match=r"call 0 of 1: the checkpointed expert modified in "
+                       r"place an input that requires grad"):
+        parallel_apply([DoublesInput()], [x], checkpoint=True, mode=mode)
 
 
 class PassThrough(torch.autograd.Function):
@@ -645,8 +650,6 @@ class SeesItsInput(nn.Module):
         return x * self.w
 
 
-@pytest.mark.xfail(strict=True, reason="D19a: checkpoint=True runs the expert's forward with "
-                   "grad disabled; the loop's expert sees grad enabled")
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpointed_expert_sees_grad_enabled(mode: str) -> None:
     """oracle: checkpoint + stage:introspect; pytest tests/oracle --fuzz-seed=0 --fuzz-case=31"""
@@ -678,8 +681,6 @@ class IgnoresWeight(nn.Module):
         return x * 2
 
 
-@pytest.mark.xfail(strict=True, reason="D20: checkpoint=True: hooks of a parameter the output "
-                   "does not depend on fire (with None)")
 @pytest.mark.parametrize("mode", MODES)
 def test_checkpoint_unused_parameter_hooks_do_not_fire(mode: str) -> None:
     """oracle: checkpoint + output:identity + hook:param / hook:post_acc;

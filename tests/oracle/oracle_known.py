@@ -89,16 +89,6 @@ def _any(*names: str) -> Callable[[Case], bool]:
 #: Divergences not fixed yet. Keep them few and precise: a case may only be
 #: xfailed by an entry whose constructs it has and whose step it diverges at.
 KNOWN_DIVERGENCES: List[Known] = [
-    Known("D1-nested-global-rng",
-          "a nested parallel_apply inside an expert draws from the global generator although "
-          "nothing draws random numbers",
-          lambda c: "stage:nested" in constructs(c) and not c.draws, ("rng", "end.rng"),
-          witnesses=((0, 16), (0, 24), (0, 33))),
-    Known("D2-checkpoint-tensor-attribute",
-          "checkpoint=True: a tensor attribute set in forward (self.last = x.detach().sum()) "
-          "comes back requiring grad",
-          lambda c: _checkpointed_with(c, "counter"), ("state", "after_step"),
-          witnesses=((0, 3), (0, 42), (0, 61))),
     Known("D3-checkpoint-input-modified-in-place",
           "checkpoint=True: the recomputation uses an input modified in place after the call "
           "(the loop raises, or keeps the old values)",
@@ -149,11 +139,6 @@ KNOWN_DIVERGENCES: List[Known] = [
            "autograd_grad.values", "input_versions", "post.versions", "backward", "hooks",
            "after_step"), ("value", "unexpected_error", "missing_error"),
           witnesses=((0, 84), (0, 250), (0, 577))),
-    Known("D19a-checkpointed-expert-sees-grad-disabled",
-          "checkpoint=True: the expert's forward runs with torch.is_grad_enabled() False "
-          "(the loop's: True)",
-          lambda c: _checkpointed_with(c, "introspect"), ("state", "after_step"),
-          witnesses=((0, 7), (0, 31), (0, 164))),
     Known("D19b-expert-sees-non-leaf-input-as-leaf",
           "a non-leaf input is seen by the expert as a leaf (is_leaf True, grad_fn None), "
           "also under no_grad / inference_mode where nothing needs isolating",
@@ -202,12 +187,6 @@ KNOWN_DIVERGENCES: List[Known] = [
               or any({"nested", "requires_grad_"} & set(s.stages) for s in c.calls)),
           ("grads", "autograd_grad.values", "grads2", "after_step"),
           witnesses=((1, 4), (1, 1675), (1, 1719))),
-    Known("D20-checkpoint-unused-parameter-hooks-fire",
-          "checkpoint=True: hooks (register_hook, post-accumulate) of a parameter the call's "
-          "output does not depend on fire with None; the loop's do not fire",
-          lambda c: _any_checkpointed(c) and bool({"hook:param", "hook:post_acc"}
-                                                   & constructs(c)), ("hooks",),
-          witnesses=((1, 425), (1, 588), (1, 625))),
     Known("D21-backward-error-under-autocast-unnamed",
           "under autocast, an expert's error in backward does not name the call",
           _all("raise:backward", "frame:autocast"), ("fail.names_call",),
@@ -234,11 +213,6 @@ KNOWN_DIVERGENCES: List[Known] = [
 
 def _any_checkpointed(case: Case) -> bool:
     return case.grad_mode == "grad" and any(case.checkpoint_of(i) for i in range(case.n))
-
-
-def _checkpointed_with(case: Case, stage: str) -> bool:
-    return case.grad_mode == "grad" and any(
-        case.checkpoint_of(i) and stage in s.stages for i, s in enumerate(case.calls))
 
 
 def may_raise(case: Case) -> bool:
