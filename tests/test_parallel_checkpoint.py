@@ -106,6 +106,33 @@ def test_checkpointed_forward_saves_no_activations() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_checkpointed_closure_over_a_weight_gets_its_gradient() -> None:
+    """A checkpointed call that closes over a leaf weight (not a parameter of a
+    module): its forward's graph reaches it, so it is an input of the node,
+    and its gradient and hooks are the loop's."""
+    torch.manual_seed(0)
+    w = torch.randn(D, D, requires_grad=True)
+    unused = torch.randn(D, requires_grad=True)
+    fired: List[Tensor] = []
+    w.register_hook(fired.append)
+    unused.register_hook(fired.append)
+
+    def expert(x: Tensor) -> Tensor:
+        return torch.tanh(x @ w)
+    xs = [torch.randn(3, D, requires_grad=True) for _ in range(3)]
+    outs = parallel_apply([expert] * 3, xs, checkpoint=True)
+    sum(o.square().sum() for o in outs).backward()
+    got = (w.grad, [x.grad for x in xs])
+    assert len(fired) == 1 and unused.grad is None  # once, with the sum
+    w.grad = None
+    rxs = [x.detach().requires_grad_() for x in xs]
+    sum(expert(x).square().sum() for x in rxs).backward()
+    torch.testing.assert_close(got[0], w.grad, rtol=0, atol=0)
+    for a, b in zip(got[1], [x.grad for x in rxs]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
 def test_mode_flags_inside_the_expert() -> None:
     torch.manual_seed(0)
     experts = [Recording() for _ in range(3)]
