@@ -424,9 +424,8 @@ class ModuleCall(IsolatedCall):
         edges: Edges = {}
         self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
                                     self._made, self.name, edges)
-        if not self.checkpoint:
-            self._split = TermSplit.of(self.inputs + self.params,
-                                       self._grad_leaves + self.params, edges)
+        self._split = TermSplit.of(self.inputs + self.params, self._grad_leaves + self.params,
+                                   edges)
         self.inputs = self.inputs + self.params
         if self._split is not None:
             self.inputs += self._split.extras
@@ -521,7 +520,9 @@ class ModuleCall(IsolatedCall):
         known = set(map(id, self._grad_leaves)) | set(map(id, self.params))
         # Empty leaves (the phonies that order nodes, a remote call's say)
         # carry no gradient to lose.
-        stray = [t for t in _graph_leaves([o for o in outputs if o.requires_grad], known)
+        edges: Edges = {}
+        stray = [t for t in _graph_leaves([o for o in outputs if o.requires_grad], known,
+                                          edges=edges if self._split is not None else None)
                  if t.numel()]
         if stray:
             raise RuntimeError(
@@ -529,6 +530,8 @@ class ModuleCall(IsolatedCall):
                 f"{len(stray)} tensor(s) that its forward did not reach (neither its inputs "
                 "nor leaves of its forward's graph): the expert is not deterministic given "
                 "its inputs, module state and random stream, so it cannot be recomputed")
+        if self._split is not None:
+            self._split.rebind(self._grad_leaves + self.params, edges)
         self._local_outputs = outputs
 
     def _modified_outputs(self) -> List[int]:

@@ -31,9 +31,11 @@ here runs in its backward); a node the backward does not run (a branch with
 no gradient) gives no term, and its slot gets None; more terms than edges
 (never seen) fall back to the per-leaf sums for that tensor; the hooks live
 only for the duration of one ``torch.autograd.grad``.
-A checkpointed call has no graph after its forward: its terms are summed per
-call, as ``torch.utils.checkpoint(use_reentrant=True)`` sums them (see the
-README's Semantics).
+A checkpointed call counts its edges on its forward's graph (built with grad
+on, nothing saved) and records its terms on its recomputation's:
+:meth:`TermSplit.rebind` moves the split onto the recomputed graph's nodes
+(the same edges, as the recomputation is the same computation; where it is
+not, that tensor's terms fall back to the per-leaf sums).
 """
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -60,7 +62,7 @@ ACCUMULATE_GRAD = _accumulate_grad_type()
 
 
 class _Group:
-    __slots__ = ("slots", "edges", "targets", "terms")
+    __slots__ = ("slots", "edges", "targets", "terms", "summed")
 
     def __init__(self, slots: List[int], edges: List[Tuple[Any, int]],
                  targets: List[int]) -> None:
@@ -70,6 +72,8 @@ class _Group:
         #: Positions of the leaves (own slots) whose sums are the fallback.
         self.targets = targets
         self.terms: List[Optional[Tensor]] = []
+        #: The fallback for good: its edges could not be found again.
+        self.summed = False
 
 
 class TermSplit:
@@ -81,14 +85,31 @@ class TermSplit:
         self._groups = groups
         #: Tensors to append to the call's inputs (one per extra slot).
         self.extras = extras
+        self._uses: List[Tuple[Any, List[Tuple[int, _Group]]]] = []
+        self._index()
+
+    def _index(self) -> None:
         # Per node that owns such edges: its edges' positions (the engine adds
         # a node's gradients in input order) and the groups they feed.
         by_node: Dict[int, Tuple[Any, List[Tuple[int, _Group]]]] = {}
-        for group in groups:
+        for group in self._groups:
             for node, j in group.edges:
                 by_node.setdefault(id(node), (node, []))[1].append((j, group))
         self._uses = [(node, sorted(uses, key=lambda use: use[0]))
                       for node, uses in by_node.values()]
+
+    def rebind(self, leaves: Sequence[Tensor], edges: Edges) -> None:
+        """Moves the split onto another graph of the same computation (a
+        checkpointed call's recomputation): ``edges`` are that graph's, for
+        the same ``leaves`` as :meth:`of` got. A tensor whose edges differ in
+        number keeps the per-leaf sums."""
+        for group in self._groups:
+            found = [e for k in group.targets for e in edges.get(id(leaves[k]), ())]
+            if len(found) == len(group.edges) and not group.summed:
+                group.edges = found
+            else:
+                group.edges, group.summed = [], True
+        self._index()
 
     @staticmethod
     def of(outer: Sequence[Tensor], leaves: Sequence[Tensor], edges: Edges) -> Optional["TermSplit"]:
@@ -136,8 +157,8 @@ class TermSplit:
         out = list(grads) + [None] * len(self.extras)
         for group in self._groups:
             terms, group.terms = group.terms, []
-            if len(terms) > len(group.edges):
-                continue  # more terms than edges: keep the sums (extras None)
+            if group.summed or len(terms) > len(group.edges):
+                continue  # keep the sums (extras None)
             for k in group.targets:
                 out[k] = None
             slot = iter(group.slots)

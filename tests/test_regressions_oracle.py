@@ -768,10 +768,7 @@ def _shared_input_grads(runner: Callable[..., List[Any]], mods: Sequence[nn.Modu
     return [x0.grad, *(p.grad for m in mods for p in m.parameters())]
 
 
-@pytest.mark.parametrize("checkpoint", [False, pytest.param(True, marks=pytest.mark.xfail(
-    strict=True, reason="checkpoint=True: a call's terms for a tensor it reads on several paths "
-    "are summed per call (no graph after its forward to count them), as torch.utils.checkpoint's "
-    "reentrant mode sums them"))])
+@pytest.mark.parametrize("checkpoint", [False, True])  # True: was D11
 @pytest.mark.parametrize("twice", [False, True])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])

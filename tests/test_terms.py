@@ -91,3 +91,38 @@ def test_a_branch_the_backward_skips_gives_no_term(mode: str) -> None:
             a, _ = run(h)
             (a.sum() + (h * h).sum()).backward()
         assert _bits(x.grad, rx.grad)
+
+
+class Moody(nn.Module):
+    """Reads its input twice the first time it runs, once afterwards (a count
+    outside the module's state): not recomputable, so its split cannot be
+    moved onto the recomputed graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.runs = [0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.runs[0] += 1
+        return x * x if self.runs[0] == 1 else x * 2
+
+
+def test_checkpointed_call_counts_on_forward_and_records_on_recompute() -> None:
+    """A checkpointed call's split is counted on its forward's graph and moved
+    onto the recomputation's (the terms go to their slots); where the
+    recomputed graph has other edges, the tensor keeps the per-leaf sum."""
+    x = torch.randn(3, 4, requires_grad=True)
+    call = ModuleCall(TiedTwice(), (x,), {}, checkpoint=True)
+    call.forward()
+    call.prepare()
+    assert call._split is not None and sum(t is x for t in call.inputs) == 3
+    out = call.outputs[0]
+    grads = call.backward([torch.ones_like(out)])
+    assert sum(g is not None for g in grads[:1] + grads[-3:]) >= 2  # terms in several slots
+
+    moody = ModuleCall(Moody(), (x,), {}, checkpoint=True)
+    moody.forward()
+    moody.prepare()
+    assert moody._split is not None and len(moody.inputs) == 2  # x * x: two edges
+    (g, extra) = moody.backward([torch.ones(3, 4)])
+    assert extra is None and torch.equal(g, torch.full((3, 4), 2.0))  # the recomputation's sum

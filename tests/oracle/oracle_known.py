@@ -166,17 +166,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: "raise:backward" in constructs(c) and bool(
               {"mode:inline", "mode:auto"} & constructs(c)), ("fail.names_call",),
           witnesses=((0, 2), (0, 588), (1, 300))),
-    Known("D11-checkpoint-terms-summed-per-call",
-          "checkpoint=True: a tensor the call reads on several paths (a spectral_norm "
-          "weight, a residual input) that other calls or the caller also use: the call's "
-          "terms are summed within the call first (no graph after its forward to count "
-          "them), as torch.utils.checkpoint's reentrant mode sums them (last bits)",
-          lambda c: _any_checkpointed(c) and (
-              bool({"shared", "same_input", "tied"} & constructs(c))
-              or any(c.checkpoint_of(i) and {"spectral_norm", "requires_grad_", "nested"}
-                     & set(s.stages) for i, s in enumerate(c.calls))),
-          ("grads", "autograd_grad.values", "grads2", "after_step"),
-          witnesses=((1795471345, 780), (1795471345, 4422), (1795471345, 10515))),
     Known("D12-returned-view-of-input-grad-bits",
           "a view of an input returned by the call, the input also used on other paths "
           "(inside the call, or by another call): the view's gradient term is added before "
