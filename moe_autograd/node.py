@@ -231,7 +231,7 @@ class _Plan:
 
 
 _CreationMeta = torch._C._autograd.CreationMeta
-_REPLAYABLE = (_CreationMeta.DEFAULT, _CreationMeta.NO_GRAD_MODE)
+_REPLAYABLE = (_CreationMeta.DEFAULT, _CreationMeta.NO_GRAD_MODE, _CreationMeta.INFERENCE_MODE)
 
 
 def replayable_view(t: Tensor) -> bool:

@@ -231,12 +231,7 @@ class ViewOfInput(nn.Module):
         return x[:, :2]
 
 
-@pytest.mark.parametrize("grad_mode", [
-    "no_grad",
-    pytest.param("inference_mode", marks=pytest.mark.xfail(
-        strict=True, reason="D8: under inference_mode, an output that is a view of the input "
-        "is not a view of the caller's tensor")),
-])
+@pytest.mark.parametrize("grad_mode", ["no_grad", "inference_mode"])  # inference: was D8
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_view_of_input_under_no_grad(mode: str, grad_mode: str) -> None:
     """oracle: grad_mode:inference + output:input_view; pytest tests/oracle --fuzz-seed=0 --fuzz-case=56"""

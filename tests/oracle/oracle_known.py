@@ -145,11 +145,6 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: any("introspect" in s.stages and s.x_kind == "nonleaf" for s in c.calls),
           ("state", "after_step"),
           witnesses=((0, 152), (0, 204), (0, 269))),
-    Known("D8-inference-view-of-input",
-          "inference_mode: an output that is a view of the input is not a view of the "
-          "caller's tensor",
-          _all("grad_mode:inference", "output:input_view"), ("relations",),
-          witnesses=((0, 56), (0, 445), (0, 562))),
     Known("D9-no-pruning",
           "backward(inputs=...) / autograd.grad(subset) run every call's whole backward: "
           "hooks fire and grads are retained on outputs the loop never reaches, errors of "
