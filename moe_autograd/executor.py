@@ -31,6 +31,15 @@ Invariants:
 The pool is created on first use, sized by ``MOE_AUTOGRAD_WORKERS`` (default
 32), made of named daemon threads, and recreated in a child after ``fork``.
 
+Memory: glibc gives each thread that allocates a malloc *arena* of its own
+(up to 8 per core), and an arena keeps what its thread's calls freed, for
+that thread's next allocation. Once calls stop running on the workers (a site
+that now runs within the cores allocates on the caller's arena),
+:func:`release_free_memory` hands those free pages back to the system
+(``malloc_trim(0)``; a no-op where the C library has none): measured on the
+MoE layer at 64 SwiGLU experts, the first, fanned-out batch left 190-230 MiB
+free in the workers' arenas, resident for the rest of the process.
+
 At interpreter exit (an ``atexit`` hook) the pool stops its workers: idle ones
 at once, and a straggler still running a call (one a deadline masked) at its
 next Python bytecode boundary, by an asynchronous ``SystemExit`` raised in its
@@ -39,6 +48,7 @@ worker inside a torch op when the interpreter finalises makes torch abort the
 process ("terminate called without an active exception", exit status 134).
 """
 import atexit
+import ctypes
 import math
 import numbers
 import os
@@ -49,7 +59,7 @@ from collections import deque
 from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, Set, TypeVar
 
 __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled", "check_timeout",
-           "MAX_TIMEOUT_S"]
+           "MAX_TIMEOUT_S", "release_free_memory"]
 
 T = TypeVar("T")
 
@@ -397,6 +407,29 @@ def get_pool() -> WorkerPool:
                 _pool = WorkerPool(_workers_from_env())
             pool = _pool
     return pool
+
+
+def _malloc_trim() -> Optional[Callable[[int], int]]:
+    """glibc's ``malloc_trim``, or None (another C library, not Linux)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    except (AttributeError, OSError, TypeError):
+        return None
+
+
+_trim = _malloc_trim()
+
+
+def release_free_memory() -> bool:
+    """Returns the free memory of every malloc arena (the workers' ones, the
+    caller's) to the system; whether there was a way to. Costs a walk of the
+    arenas (~9 ms after the MoE layer's first batch at 64 experts, ~1 ms when
+    there is little to give back); safe at any time, from any thread (glibc
+    locks each arena while it trims it), and what is in use stays."""
+    if _trim is None:
+        return False
+    _trim(0)
+    return True
 
 
 def _forget_pool_after_fork() -> None:

@@ -78,6 +78,12 @@ batch is crowded (and its probe is its mode) or shows its calls blocking
 unequally; a waiting site's first batch is clear, and says so. (A site that
 both computes and waits may take a third.)
 
+When a site's batch runs within the cores after a fanned-out one, the free
+memory the workers' malloc arenas keep is first handed back to the system
+(:func:`moe_autograd.executor.release_free_memory`): the calls now allocate
+on the caller's arena and would never reuse it (measured at 64 SwiGLU
+experts, 4,096 tokens, 2 cores: 190-230 MiB after the first batch).
+
 Every batch is measured and folded in, whatever its mode, so a site that
 changes kind changes mode (drift): within the cores every batch is clear;
 fanned out, clear batches keep the average current, and after
@@ -101,6 +107,8 @@ Invariants
 * A site's first batch fans out, so experts that meet each other meet in
   it; its second runs in the mode the first's measurements pick, for a site
   that computes (within the cores) and for one that waits (fanned out).
+* A batch that runs within the cores after a fanned-out batch of its site
+  first returns the free memory of the malloc arenas to the system.
 * After the first batch, CPU-bound calls never run on more threads (lanes x
   intra-op threads) than the cores, except in the single batch that probes
   them.
@@ -143,8 +151,11 @@ from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
+from .executor import release_free_memory
+
 __all__ = ["INLINE", "LANES", "PARALLEL", "MODES", "INLINE_BELOW_S", "WAIT_SHARE", "Decision",
-           "choose", "record", "execution_stats", "site_of", "forced_mode", "cores", "Measure"]
+           "choose", "record", "execution_stats", "site_of", "forced_mode",
+           "cores", "Measure"]
 
 INLINE, LANES, PARALLEL = "inline", "lanes", "parallel"
 MODES = (INLINE, LANES, PARALLEL)
@@ -328,7 +339,11 @@ def choose(site: Hashable, n: int, mode: Optional[str] = None) -> Decision:
     profile = _profiles.get(site)
     if profile is None or profile.batches < EVIDENCE:
         return Decision(PARALLEL, n, NEW_SITE)
-    return _decide(profile, n)
+    decision = _decide(profile, n)
+    if decision.mode != PARALLEL and profile.last == PARALLEL:
+        # Leaving the workers: what their arenas keep free would stay resident.
+        release_free_memory()
+    return decision
 
 
 def _waits(p: _Profile) -> bool:

@@ -249,7 +249,8 @@ class MixtureOfExperts(nn.Module):
 
         survivors = [(e, calls[i]) for i, e in enumerate(active) if ok[i]]
         policy = BackwardPolicy(self.backward_timeout, tolerate_failures=True,
-                                check=self._backward_check(survivors, routing.tokens, answered))
+                                check=self._backward_check([e for e, _ in survivors],
+                                                           routing.tokens, answered))
         outputs = finish_calls([c for _, c in survivors], policy, name="MixtureOfExperts",
                                lanes=lanes)
         if outputs:
@@ -376,15 +377,20 @@ class MixtureOfExperts(nn.Module):
                         non_finite=int(isinstance(error, FloatingPointError)),
                         failures=int(not ok[i] and not late))
 
-    def _backward_check(self, survivors: List[Tuple[int, ModuleCall]], tokens: List[Tensor],
+    def _backward_check(self, survivors: List[int], tokens: List[Tensor],
                         answered: Tensor) -> Any:
+        """The backward quorum over the surviving experts ``survivors`` (ids,
+        in call order). It holds expert ids, never the call records: the
+        check lives as long as the caller's graph (a kept output), and a
+        record would keep its expert's graph, saved activations and all, alive
+        after its backward."""
         book, backward_k_min = self.expert_stats, self.backward_k_min
         needed = answered.sum(dim=-1).clamp(max=backward_k_min)
 
         def check(outcomes: List[Optional[BaseException]]) -> None:
             survived = torch.zeros_like(needed)
             failed: List[Tuple[int, BaseException]] = []
-            for (e, _), error in zip(survivors, outcomes):
+            for e, error in zip(survivors, outcomes):
                 late = isinstance(error, TimeoutError)
                 book.record(e, backward_calls=1, backward_timeouts=int(late),
                             backward_failures=int(error is not None and not late))
