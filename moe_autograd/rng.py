@@ -103,9 +103,14 @@ Limits
 * While ops are recorded into a graph (``make_fx``, AOTAutograd under
   ``torch.compile``) random ops keep ``generator=None``: the graph is routed
   when it runs, to whatever stream is active then.
-* ``torch.utils.checkpoint`` *inside* a call restores the global generator's
-  state for its recomputation, not this stream's; use
-  :func:`moe_autograd.checkpoint.checkpoint` there.
+* ``torch.get_rng_state`` / ``torch.set_rng_state`` are replaced (at import)
+  by functions that, inside a :class:`CallRng` activation, read and set the
+  stream's CPU generator (see the table above the router): so
+  ``torch.utils.checkpoint`` *inside* a call recomputes with the random
+  numbers its forward drew, on any thread. Outside activations they are
+  PyTorch's. CUDA's ``torch.cuda.get_rng_state`` is not covered: a CUDA
+  expert's own ``torch.utils.checkpoint`` recomputes from the device's
+  global generator; use :func:`moe_autograd.checkpoint.checkpoint` there.
 * :data:`DISPATCH_KEY` is ``TESTING_ONLY_GenericMode``, which PyTorch reserves
   for its own C++ tests: a process that registers kernels on it elsewhere
   conflicts with this module (registration fails at import).
@@ -175,15 +180,22 @@ def active_stream() -> Optional[RandomStream]:
 class _Activation:
     """One ``with stream.activate():``. Holds the generators it created."""
 
-    __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "_saved")
+    __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "restored",
+                 "override", "_saved")
 
-    def __init__(self, stream: RandomStream) -> None:
+    def __init__(self, stream: RandomStream, override: bool = False) -> None:
         self.stream = stream
         self.outer: Optional[_Activation] = None
         self.generators: Dict[torch.device, torch.Generator] = {}
         self.drew = False
         #: Streams forked in this activation so far (see :meth:`derive`).
         self.forks = 0
+        #: device -> the CallRng whose initial state ``torch.set_rng_state``
+        #: put this activation at (seeded from it at the next draw).
+        self.restored: Dict[torch.device, "CallRng"] = {}
+        #: Pushed by ``torch.set_rng_state`` of a stream's state outside any
+        #: activation (see :func:`_set_rng_state`); it records nothing.
+        self.override = override
         #: For the capturing activation of a ReplayRng: device -> (source, state).
         self.capture: Optional[Dict[torch.device, Tuple[torch.Generator, Tensor]]] = None
         self._saved = (False, False)
@@ -208,7 +220,8 @@ class _Activation:
             stack.pop()
         else:  # exited out of order (a generator-based context closed late)
             stack.remove(self)
-        self.stream._closed(self)
+        if not self.override:
+            self.stream._closed(self)
         spares = _local.spare
         for device, gen in self.generators.items():
             spare = spares.setdefault(device, [])
@@ -237,9 +250,39 @@ class _Activation:
         if gen is None:
             if device.type == "cuda" and device.index is None:
                 return self.generator(torch.device("cuda", torch.cuda.current_device()))
-            gen = self.stream._generator(device, self)
+            origin = self.restored.pop(device, None)
+            gen = (origin or self.stream)._generator(device, self)
             self.generators[device] = gen
         return gen
+
+    def get_state(self, device: torch.device) -> Tensor:
+        """``torch.get_rng_state()`` inside this (CallRng) activation: the
+        state of the generator its random ops draw from, tagged with the
+        stream; before the first draw, a tag for the stream's initial state
+        (its seed may not be drawn yet, and need not be)."""
+        gen = self.generators.get(device)
+        if gen is not None:
+            state = gen.get_state()
+            setattr(state, _STATE_TAG, (False, self.stream))
+            return state
+        origin = self.restored.get(device) or self.stream
+        state = _initial_state().clone()
+        setattr(state, _STATE_TAG, (True, origin))
+        return state
+
+    def set_state(self, device: torch.device, state: Tensor) -> None:
+        """``torch.set_rng_state(state)`` inside this activation: its random
+        ops draw from ``state`` on (a stream's initial state: seeded from
+        that stream at the next draw)."""
+        tag = getattr(state, _STATE_TAG, None)
+        self.generators.pop(device, None)
+        self.restored.pop(device, None)
+        if tag is not None and tag[0]:
+            self.restored[device] = tag[1]
+        else:
+            gen = _new_generator(device)
+            gen.set_state(state)
+            self.generators[device] = gen
 
 
 class _LazySeeds:
@@ -516,6 +559,81 @@ class ReplayRng:
     def __repr__(self) -> str:
         devices = "not recorded" if self._states is None else sorted(map(str, self._states))
         return f"ReplayRng({devices})"
+
+
+# -- torch.get_rng_state / torch.set_rng_state inside a stream ------------------------
+# A call's random ops draw from its stream's generators, not from the global
+# one; code that saves and restores "the" generator state around a region it
+# will run again must see the stream's. torch.utils.checkpoint inside an
+# expert does: its forward takes torch.get_rng_state(), its recomputation (in
+# backward, on whatever thread, in or outside any activation) runs under
+# torch.random.fork_rng with torch.set_rng_state(that state). So:
+#
+# =========================================  =========================================
+# call                                        effect
+# =========================================  =========================================
+# get, in a CallRng activation                its generator's state, tagged with the
+#                                             stream (or a tag for the stream's initial
+#                                             state before its first draw: no seed drawn)
+# set(tagged or not), in a CallRng activation  its random ops draw from that state on
+# set(tagged), outside any CallRng activation  pushes an *override* activation drawing
+#                                             from that state; the global generator is
+#                                             not touched
+# set(untagged), with an override on top      pops it (fork_rng's restore of the state
+#                                             it found); the global generator was never
+#                                             touched, so it is left as it is
+# anything else                               PyTorch's own functions
+# =========================================  =========================================
+#
+# So an expert's torch.utils.checkpoint recomputes with the random numbers its
+# forward drew, whatever thread runs the recomputation, and concurrent
+# recomputations never save and restore the global generator under each
+# other's feet.
+_STATE_TAG = "_moe_autograd_stream"
+_torch_get_rng_state = torch.random.get_rng_state
+_torch_set_rng_state = torch.random.set_rng_state
+_INITIAL: List[Tensor] = []
+
+
+def _initial_state() -> Tensor:
+    """A valid CPU generator state, the placeholder body of an initial-state tag."""
+    if not _INITIAL:
+        _INITIAL.append(torch.Generator().manual_seed(0).get_state())
+    return _INITIAL[0]
+
+
+def _call_activation() -> Optional[_Activation]:
+    stack = _local.stack
+    top = stack[-1] if stack else None
+    return top if top is not None and isinstance(top.stream, CallRng) else None
+
+
+def _get_rng_state() -> Tensor:
+    activation = _call_activation()
+    if activation is None:
+        return _torch_get_rng_state()
+    return activation.get_state(_CPU)
+
+
+def _set_rng_state(new_state: Tensor) -> None:
+    tag = getattr(new_state, _STATE_TAG, None)
+    activation = _call_activation()
+    if activation is not None and activation.override and tag is None:
+        activation.__exit__(None, None, None)
+        return
+    if activation is None:
+        if tag is None:
+            _torch_set_rng_state(new_state)
+            return
+        activation = _Activation(tag[1], override=True)
+        activation.__enter__()
+    activation.set_state(_CPU, new_state)
+
+
+_get_rng_state.__doc__ = _torch_get_rng_state.__doc__
+_set_rng_state.__doc__ = _torch_set_rng_state.__doc__
+torch.get_rng_state = torch.random.get_rng_state = _get_rng_state
+torch.set_rng_state = torch.random.set_rng_state = _set_rng_state
 
 
 # -- the router -----------------------------------------------------------------------

@@ -634,3 +634,40 @@ def test_graphs_traced_inside_a_stream_route_when_they_run():
     with CallRng(1).activate():
         eager = f(x)
     assert torch.equal(a, b) and torch.equal(a, eager)
+
+
+def test_rng_state_inside_a_stream_is_the_streams():
+    """Inside a call's stream torch.get/set_rng_state read and set the
+    stream's generator, without drawing a lazy seed or touching the global
+    generator; a state taken there and set outside routes the thread's draws
+    to it until the state found before is set back (fork_rng's pattern)."""
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    (stream,) = CallRng.fork_many(1)
+    with stream.activate():
+        start = torch.get_rng_state()  # no draw yet: no seed needed
+        assert torch.equal(torch.get_rng_state(), torch.get_rng_state())
+        first = torch.rand(3)
+        mid = torch.get_rng_state()
+        second = torch.rand(3)
+        torch.set_rng_state(mid)
+        assert torch.equal(torch.rand(3), second)
+        torch.set_rng_state(start)
+        assert torch.equal(torch.rand(3), first)
+    drawn = torch.get_rng_state()  # the batch's one seed draw, by the first rand
+    assert not torch.equal(drawn, before)
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(mid)  # a stream's state, outside any activation
+        assert torch.equal(torch.rand(3), second)
+    assert torch.equal(torch.get_rng_state(), drawn)  # the global generator never moved
+    assert active_stream() is None  # the override ended with fork_rng's restore
+
+
+def test_rng_state_of_an_untouched_stream_draws_no_seed():
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    (stream,) = CallRng.fork_many(1)
+    with stream.activate():
+        state = torch.get_rng_state()
+        torch.set_rng_state(state)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -216,17 +216,27 @@ class RequiresGrad(Stage):
 
 
 class InnerCheckpoint(Stage):
-    """``torch.utils.checkpoint`` around a sub-block inside the expert."""
+    """``torch.utils.checkpoint`` around a sub-block inside the expert; the
+    non-reentrant one's block draws (dropout), so its recomputation must
+    replay the call's random numbers. The reference runs that block as it is
+    (``transparent``, set by the harness): non-reentrant checkpointing is
+    transparent in the loop, so the reference does not share the
+    recomputation's RNG path with the runtime it checks. (The reentrant one
+    is not transparent: it refuses ``autograd.grad`` and ``inputs=``.)"""
 
     def __init__(self, reentrant: bool) -> None:
         super().__init__()
         self.reentrant = reentrant
         self.fc = nn.Linear(WIDTH, WIDTH)
+        self.transparent = False
 
     def block(self, h: Tensor) -> Tensor:
-        return torch.tanh(self.fc(h))
+        h = self.fc(h)
+        return torch.tanh(h if self.reentrant else F.dropout(h, 0.25, self.training))
 
     def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.transparent:
+            return self.block(h)
         return tuc.checkpoint(self.block, h, use_reentrant=self.reentrant)
 
 
@@ -337,7 +347,7 @@ STAGES: Dict[str, Callable[[], Stage]] = {
 }
 
 #: Stages that draw random numbers.
-RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli"})
+RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli", "ckpt_nonreentrant"})
 #: Stages with buffers or tensor attributes updated in forward.
 STATEFUL_STAGES = frozenset({"bn", "counter", "spectral_norm"})
 

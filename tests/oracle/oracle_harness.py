@@ -38,8 +38,8 @@ from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.rng import CallRng
 
 from oracle_cases import Case
-from oracle_experts import (ROWS, VOCAB, WIDTH, Expert, InputInPlace, Nested, RaiseBackward,
-                            RaiseForward, structure, tensor_leaves)
+from oracle_experts import (ROWS, VOCAB, WIDTH, Expert, InnerCheckpoint, InputInPlace, Nested,
+                            RaiseBackward, RaiseForward, structure, tensor_leaves)
 from oracle_functions import FUNCTIONS
 
 RUNTIME, LOOP = "runtime", "loop"
@@ -239,6 +239,12 @@ def build(case: Case, side: str) -> World:
             sub.runner = nested_runner
     for spec, m in zip(case.calls, modules):
         for stage in m.modules():
+            if isinstance(stage, InnerCheckpoint):
+                # Not where the expert flips requires_grad_() on its input
+                # after the block: the loop's recomputation then saves other
+                # tensors and raises (D7f's cousin), as the runtime's.
+                stage.transparent = (side != RUNTIME and not stage.reentrant
+                                     and "requires_grad_" not in spec.stages)
             if isinstance(stage, InputInPlace):  # where the loop can do it
                 stage.active = all(s.x_kind != "leaf_rg" for j, s in enumerate(case.calls)
                                    if modules[j] is m)
