@@ -310,6 +310,15 @@ class WorkerPool:
         thread.start()
 
     def _work(self) -> None:
+        try:
+            self._serve()
+        except _StopAtExit:
+            # The exit hook's stop reached this worker just after its call
+            # ended (it saw it busy): end quietly. threading's excepthook
+            # silences SystemExit itself only, not a subclass.
+            pass
+
+    def _serve(self) -> None:
         _thread_role.worker = True
         me = threading.get_ident()
         while True:

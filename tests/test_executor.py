@@ -428,3 +428,24 @@ def test_thread_count_stays_bounded(fresh_pool):
     assert len({t.name for t in pool.threads}) == len(pool.threads)
     others = {t for t in threading.enumerate() if not t.name.startswith(WORKER_PREFIX)}
     assert others <= baseline
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_at_exit_that_finds_the_call_done_ends_the_worker_quietly():
+    """The exit hook stops the workers it saw busy with an asynchronous
+    SystemExit subclass; one whose call ended meanwhile gets it outside the
+    call, which must end it quietly (threading's excepthook prints anything
+    but SystemExit itself: 'Exception in thread moe_autograd-worker-N')."""
+    import subprocess
+    import sys
+    script = (
+        "from moe_autograd.executor import get_pool, run_all\n"
+        "run_all([lambda: 1 for _ in range(4)])\n"
+        "pool = get_pool()\n"
+        "pool._running.update(t.ident for t in pool._threads)  # all 'busy' at exit\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=50)
+    assert done.returncode == 0, done.stderr
+    assert "Exception in thread" not in done.stderr and "_StopAtExit" not in done.stderr, \
+        done.stderr
