@@ -29,7 +29,7 @@ from .collect import function_collector, run_applies
 from .executor import run_all
 from .node import Grads, IsolatedCall, attach, replayable_view
 from .policy import INLINE, LANES, Decision, Measure, choose
-from .rng import CallRng, rewind_unrun_draws
+from .rng import CallRng, mark_concurrent, rewind_unrun_draws
 from .tls import bind, capture
 from .transforms import functorch_active, opaque_to_dynamo, sequential_mode
 
@@ -359,6 +359,8 @@ def _map(func: FunctionType, args: List[Tuple[Any, ...]], rngs: List[CallRng],
         return bind(state, measure.timed(i, run), saves[i])
 
     lanes = decision.lanes if decision.mode == LANES else None
+    if lanes is None or lanes > 1:
+        mark_concurrent(rngs)
     collector = function_collector(func)
     if collector is not None:  # calls that wait (remote): started together, no worker each
         ran = run_applies(func, collector, args, f"{func.__name__}: call", measure)

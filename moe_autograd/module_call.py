@@ -48,7 +48,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten as _tree_flatten, tree_unflatten
 
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
@@ -142,6 +142,17 @@ _PLAIN = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.
           torch.Size)
 
 
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size)
+
+
+def tree_flatten(tree: Any) -> Tuple[List[Any], TreeSpec]:
+    """``torch.utils._pytree.tree_flatten`` with ``torch.Size`` a leaf: as a
+    node it unflattens to a plain tuple (``x.shape`` returned or passed would
+    come back without ``numel()``)."""
+    return _tree_flatten(tree, is_leaf=_is_size)
+
+
 def _holds_tensor(value: Any, depth: int = 3) -> bool:
     fields = getattr(value, "__dict__", None)
     if depth and isinstance(fields, dict):
@@ -223,15 +234,19 @@ def _drop(t: Tensor) -> None:
     return None
 
 
-def _unreachable(packed: None) -> Tensor:
-    raise RuntimeError("moe_autograd: a checkpointed call's forward graph was differentiated; "
-                       "only its recomputation's may be")
-
-
-def _saving_nothing() -> Any:
+def _saving_nothing(name: str) -> Any:
     """Saved-tensor hooks that keep nothing: a checkpointed call's forward
-    runs with grad on, as the loop's, and keeps only its graph's shape."""
-    return torch.autograd.graph.saved_tensors_hooks(_drop, _unreachable)
+    runs with grad on, as the loop's, and keeps only its graph's shape. A
+    backward through that graph (the expert's own, inside its forward; or the
+    caller's, through a tensor the expert left elsewhere than its result and
+    its plain tensor attributes) raises, naming the call."""
+    def unreachable(packed: None) -> Tensor:
+        raise RuntimeError(
+            f"{name}: a backward reached the checkpointed call's forward graph (autograd.grad or "
+            "backward inside the expert's forward, or a tensor the expert left in a list, a "
+            "closure or a global), which keeps nothing for backward: return that tensor from "
+            "the expert, or call it with checkpoint=False")
+    return torch.autograd.graph.saved_tensors_hooks(_drop, unreachable)
 
 
 class ModuleCall(IsolatedCall):
@@ -260,6 +275,7 @@ class ModuleCall(IsolatedCall):
         self._in_backward = 0  # its own backward runs (see _guard_leaves)
         #: Versions of a checkpointed call's tensor inputs at its forward.
         self._versions: List[int] = []
+        self._n_inputs = 0
         #: A checkpointed call's outputs (the node's, weakly) and their
         #: versions when it returned: one modified in place since must not be
         #: needed by the recomputed graph (see :meth:`_recompute_now`).
@@ -302,13 +318,16 @@ class ModuleCall(IsolatedCall):
         if self.checkpoint:
             assert self._leaves is not None
             self._versions = self._input_versions()
+            self._n_inputs = len(self._versions)
             constant = [v for v in self._leaves if isinstance(v, Tensor) and not v.requires_grad]
             # Grad on, as in the loop (the expert sees it; its outputs and
             # attributes require grad as the loop's; the graph says which
             # leaves it reaches), but nothing saved: the graph is only looked
             # at, and the recomputation builds the one backward runs.
             first = _next_sequence_nr()
-            with _saving_nothing(), enable_checkpointing(), self.rng.activate():
+            params = ([(p, p._version) for p in module.parameters()]
+                      if isinstance(module, nn.Module) else [])
+            with _saving_nothing(self.name), enable_checkpointing(), self.rng.activate():
                 try:
                     result = self._call()
                 except RuntimeError as error:
@@ -320,6 +339,11 @@ class ModuleCall(IsolatedCall):
                         "input first, or call this expert with checkpoint=False") from error
             last = _next_sequence_nr() if first is not None else None
             self._made = None if first is None or last is None else (first, last)
+            if any(p._version != version for p, version in params):
+                raise RuntimeError(
+                    f"{self.name}: the checkpointed expert modified one of its parameters in place "
+                    "in its forward; its recomputation would modify it again: call this expert "
+                    "with checkpoint=False")
             if any(v.requires_grad for v in constant):
                 # The loop tracks such an input from the requires_grad_() on;
                 # a recomputation would track it from the start of the call.
@@ -411,9 +435,10 @@ class ModuleCall(IsolatedCall):
 
     def _input_versions(self) -> List[int]:
         """The version counters of the call's tensor inputs (its leaves share
-        the caller's tensors' counters)."""
+        the caller's tensors' counters) and, once known, of its parameters."""
         assert self._leaves is not None
-        return [v._version for v in self._leaves if isinstance(v, Tensor)]
+        inputs = [v._version for v in self._leaves if isinstance(v, Tensor)]
+        return inputs + [p._version for p in self.params] if self.params else inputs
 
     def prepare(self) -> None:
         """On the caller, after the forward: appends the call's parameters to
@@ -426,6 +451,8 @@ class ModuleCall(IsolatedCall):
                                     self._made, self.name, edges)
         self._split = TermSplit.of(self.inputs + self.params, self._grad_leaves + self.params,
                                    edges)
+        if self.checkpoint:
+            self._versions += [p._version for p in self.params]
         self.inputs = self.inputs + self.params
         if self._split is not None:
             self.inputs += self._split.extras
@@ -498,9 +525,12 @@ class ModuleCall(IsolatedCall):
         rng = self.rng
         # A forward that drew no random number replays without the RNG routing:
         # the same ops draw nothing again.
-        if self._input_versions() != self._versions:
+        versions = self._input_versions()
+        if versions != self._versions:
+            what = ("an input" if versions[:self._n_inputs] != self._versions[:self._n_inputs]
+                    else "a parameter (an optimizer step before the backward?)")
             raise RuntimeError(
-                f"{self.name}: an input of the checkpointed call was modified in place after the "
+                f"{self.name}: {what} of the checkpointed call was modified in place after the "
                 "call; its recomputation would see other values (as a tensor autograd saved "
                 "for backward, it must not change before the backward)")
         state = self._module_state

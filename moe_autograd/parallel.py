@@ -34,7 +34,7 @@ from .executor import TaskGroup
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
-from .rng import CallRng, rewind_unrun_draws
+from .rng import CallRng, mark_concurrent, rewind_unrun_draws
 from .tls import autocast_enabled, bind, capture
 from .transforms import check_parallel_mode, functorch_active, opaque_to_dynamo, sequential_mode
 
@@ -105,14 +105,17 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 kwargs: Optional[Sequence[Optional[Mapping[str, Any]]]],
                 checkpoint: Union[bool, Sequence[bool]], check_finite_grads: bool, name: str,
                 labels: Optional[Sequence[str]],
-                validate: Optional[Callable[[ModuleCall], None]],
+                validate: Optional[Callable[[ModuleCall], None]], lanes: Optional[int],
                 ) -> Tuple[List[ModuleCall], List[Callable[[], ModuleCall]]]:
     """The call records, created (their random streams forked) here in call
-    order, and one forward task per call."""
+    order, and one forward task per call (run on ``lanes`` threads, or each
+    on its own: see :func:`~moe_autograd.rng.mark_concurrent`)."""
     n = len(modules)
     flags = _per_call(checkpoint, n, "checkpoint")
     state = capture()
     rngs = CallRng.fork_many(n)
+    if lanes is None or lanes > 1:
+        mark_concurrent(rngs)
     # An expert may ask for its own record type (remote experts: calls that a
     # collector sends, see moe_autograd.collect); a checkpointed call keeps ours.
     calls = [
@@ -230,7 +233,7 @@ def start_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     _check_lengths(name, len(modules), inputs, kwargs)
     check_parallel_mode(name, [inputs, kwargs, modules])
     calls, tasks = _make_calls(modules, inputs, kwargs, checkpoint, check_finite_grads, name,
-                               labels, validate)
+                               labels, validate, lanes)
     if measure is not None:
         tasks = [measure.timed(i, t) for i, t in enumerate(tasks)]
     return calls, submit_calls(calls, tasks, lanes, measure, deadline=deadline)
@@ -300,7 +303,7 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
             return _inline(modules, inputs, kwargs, measure=measure)
         lanes = decision.lanes if decision.mode in (LANES, INLINE) else None
         calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
-                                   None, None)
+                                   None, None, lanes)
         tasks = _in_call_order(calls, tasks)
         try:
             run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],

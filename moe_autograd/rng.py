@@ -124,7 +124,7 @@ from torch import Tensor
 from torch.library import Library, fallthrough_kernel
 
 __all__ = ["CallRng", "ReplayRng", "RandomStream", "active_stream", "routed_ops",
-           "rewind_unrun_draws", "DISPATCH_KEY"]
+           "mark_concurrent", "rewind_unrun_draws", "DISPATCH_KEY"]
 
 _MASK64 = (1 << 64) - 1
 
@@ -181,7 +181,7 @@ class _Activation:
     """One ``with stream.activate():``. Holds the generators it created."""
 
     __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "restored",
-                 "override", "_saved")
+                 "override", "replay", "copies", "_saved")
 
     def __init__(self, stream: RandomStream, override: bool = False) -> None:
         self.stream = stream
@@ -198,6 +198,10 @@ class _Activation:
         self.override = override
         #: For the capturing activation of a ReplayRng: device -> (source, state).
         self.capture: Optional[Dict[torch.device, Tuple[torch.Generator, Tensor]]] = None
+        #: A CallRng activation after the stream's first (a recomputation):
+        #: explicit generators replay from copies (see :meth:`explicit`).
+        self.replay = False
+        self.copies: Dict[int, torch.Generator] = {}
         self._saved = (False, False)
 
     def __enter__(self) -> None:
@@ -255,6 +259,59 @@ class _Activation:
             self.generators[device] = gen
         return gen
 
+    def explicit(self, gen: torch.Generator) -> torch.Generator:
+        """The generator a random op given ``gen`` explicitly draws from: in a
+        CallRng's first activation ``gen`` itself (its state at first use is
+        recorded), in a later one (a checkpointed call's recomputation) a
+        private copy at that state, so the recomputation draws what the
+        forward drew and ``gen`` advances once, as in the loop."""
+        stream = self.stream
+        if self.override or not isinstance(stream, CallRng) or self._owns(gen):
+            return gen
+        self.drew = True
+        # (The recorded wrapper keeps the generator, so its address, alive.)
+        key = _identity(gen)
+        if not self.replay:
+            lazy = stream._lazy
+            users = lazy[0].users if lazy is not None else None
+            if users is not None:
+                first = users.setdefault(key, lazy[1])  # type: ignore[index]
+                if first != lazy[1]:  # type: ignore[index]
+                    raise RuntimeError(
+                        f"this call and call {first} of the batch draw from the same "
+                        "torch.Generator; running at once, their draws would interleave in no "
+                        "fixed order, where the loop's come in call order: give each expert a "
+                        "generator of its own, or run the batch with mode='inline'")
+            states = stream._explicit
+            if states is None:
+                states = stream._explicit = {}
+            if key not in states:
+                states[key] = (gen, gen.get_state())
+            return gen
+        copy = self.copies.get(key)
+        if copy is None:
+            found = (stream._explicit or {}).get(key)
+            if found is None:
+                raise RuntimeError(
+                    "a replay of a checkpointed call draws from a torch.Generator its forward "
+                    "did not draw from: the function is not deterministic given its inputs and "
+                    "its random stream, so it cannot be recomputed exactly")
+            copy = self.copies[key] = torch.Generator(device=gen.device)
+            copy.set_state(found[1])
+        return copy
+
+    def _owns(self, gen: torch.Generator) -> bool:
+        """Whether ``gen`` is a generator of this activation or of one it
+        runs in: what a routed op hands the ops it is made of."""
+        key = _identity(gen)
+        activation: Optional[_Activation] = self
+        while activation is not None:
+            if any(_identity(g) == key for g in activation.generators.values()) or any(
+                    _identity(g) == key for g in activation.copies.values()):
+                return True
+            activation = activation.outer
+        return False
+
     def get_state(self, device: torch.device) -> Tensor:
         """``torch.get_rng_state()`` inside this (CallRng) activation: the
         state of the generator its random ops draw from, tagged with the
@@ -297,9 +354,11 @@ class _LazySeeds:
     lowest call that asked for its seed; ``failed``: the lowest that failed;
     ``states``: the generator's state before and after the draw)."""
 
-    __slots__ = ("n", "values", "lock", "first", "failed", "states")
+    __slots__ = ("n", "values", "lock", "first", "failed", "states", "users")
 
     def __init__(self, n: int) -> None:
+        #: Set by :func:`mark_concurrent`: explicit generator -> its first call.
+        self.users: Optional[Dict[int, int]] = None
         self.n = n
         self.values: Optional[List[int]] = None
         self.lock = threading.Lock()
@@ -347,11 +406,12 @@ class _DerivedSeeds:
     batch of calls that draw nothing leaves every generator alone, as its
     plain loop would.)"""
 
-    __slots__ = ("parent", "first")
+    __slots__ = ("parent", "first", "users")
 
     def __init__(self, parent: "CallRng", first: int) -> None:
         self.parent = parent
         self.first = first
+        self.users: Optional[Dict[int, int]] = None  # see _LazySeeds
 
     def get(self, i: int) -> int:
         return _mix64(self.parent.seed ^ _mix64(_FORK_SALT + self.first + i))
@@ -376,12 +436,15 @@ class CallRng:
     A stream forked outside any stream gets its seed lazily (see
     :class:`_LazySeeds`): the default generator is read only if a call draws."""
 
-    __slots__ = ("_seed", "_lazy", "drew")
+    __slots__ = ("_seed", "_lazy", "drew", "_explicit")
 
     def __init__(self, seed: Optional[int] = None, lazy: Optional[Tuple[_Seeds, int]] = None
                  ) -> None:
         self._seed: Optional[int] = None if seed is None else int(seed) & _MASK64
         self._lazy = lazy
+        #: ``generator._cdata -> (generator, state)``: explicit generators at their
+        #: first use in the first activation (see :meth:`_Activation.explicit`).
+        self._explicit: Optional[Dict[int, Tuple[torch.Generator, Tensor]]] = None
         #: Whether a random op drew from this stream during the last
         #: :meth:`activate` (None before the first). A replay of a run that drew
         #: nothing needs no routing: the same ops draw nothing again.
@@ -443,7 +506,7 @@ class CallRng:
             seeds.fail(i)
 
     def _opened(self, activation: _Activation) -> None:
-        pass
+        activation.replay = self.drew is not None
 
     def _generator(self, device: torch.device, activation: _Activation) -> torch.Generator:
         code = _DEVICE_CODES.get(device)
@@ -460,6 +523,18 @@ class CallRng:
         if self._seed is None:
             return "CallRng(seed not drawn yet)"
         return f"CallRng(seed={self._seed:#018x})"
+
+
+def mark_concurrent(streams: Sequence[CallRng]) -> None:
+    """The calls of these streams (one batch, from :meth:`CallRng.fork_many`)
+    run at once: a ``torch.Generator`` passed explicitly to random ops of two
+    of them raises (see :meth:`_Activation.explicit`)."""
+    seen: Set[int] = set()
+    for stream in streams:
+        lazy = stream._lazy
+        if lazy is not None and id(lazy[0]) not in seen:
+            seen.add(id(lazy[0]))
+            lazy[0].users = {}
 
 
 def rewind_unrun_draws(streams: Sequence[Optional[RandomStream]]) -> None:
@@ -669,6 +744,18 @@ def _stream_generator(op: Any, device: torch.device) -> torch.Generator:
     return gen
 
 
+def _identity(gen: torch.Generator) -> int:
+    """A generator's identity: the address of its C++ object (the dispatcher
+    hands kernels a new Python wrapper of it each time)."""
+    return int(gen._cdata)  # type: ignore[attr-defined]
+
+
+def _explicit_generator(gen: torch.Generator) -> torch.Generator:
+    """What a random op given ``gen`` draws from (see :meth:`_Activation.explicit`)."""
+    stack = _local.stack
+    return stack[-1].explicit(gen) if stack else gen
+
+
 def _device_of(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> torch.device:
     device = kwargs.get("device")
     if device is not None:
@@ -703,10 +790,13 @@ def _route(op: Any) -> Kernel:
     gen_at = names.index("generator")
     if arguments[gen_at].kwarg_only:
         def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("generator") is None:
+            given = kwargs.get("generator")
+            if given is None:
                 device = _device_of(args, kwargs)
                 if device.type != "meta" and not _tracing():
                     kwargs["generator"] = _stream_generator(op, device)
+            elif not _tracing():
+                kwargs["generator"] = _explicit_generator(given)
             return redispatch(keyset.remove(_KEY), *args, **kwargs)
         return kernel
 
@@ -721,6 +811,8 @@ def _route(op: Any) -> Kernel:
                 gen = _stream_generator(op, device)
                 head = args[:gen_at] + defaults[len(args):]
                 args = head + (gen,) + args[gen_at + 1:]
+        elif not _tracing():
+            args = args[:gen_at] + (_explicit_generator(args[gen_at]),) + args[gen_at + 1:]
         return redispatch(keyset.remove(_KEY), *args, **kwargs)
     return positional
 

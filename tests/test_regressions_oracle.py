@@ -1041,3 +1041,137 @@ def test_torch_checkpoint_inside_an_expert_replays_the_calls_random_numbers(
         assert bits_equal(o, ro) and bits_equal(x.grad, rx.grad)
     for m, r in zip(mods, refs):
         assert bits_equal(m.fc.weight.grad, r.fc.weight.grad)
+
+
+# -- found by an outside probe (2026-11-26) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_call_refuses_a_parameter_changed_before_backward(mode: str) -> None:
+    """An optimizer step (or weight clipping) between forward and backward:
+    the loop's backward raises (the weight was saved), the recomputation
+    would silently use the new weight; it raises, naming the call."""
+    mods, _ = twins(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), 2)
+    x = torch.randn(3, 4, requires_grad=True)
+    outs = parallel_apply(mods, [x, x], checkpoint=True, mode=mode)
+    with torch.no_grad():
+        mods[0][0].weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"call 0 of 2: a parameter \(an optimizer step "
+                       r"before the backward\?\) of the checkpointed call was modified in place"):
+        sum(o.sum() for o in outs).backward()
+
+
+class ShrinksItsWeight(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.fc.weight.mul_(0.9)  # a max-norm style constraint
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_expert_changing_its_parameter_in_forward_raises(mode: str) -> None:
+    """Its recomputation would change the parameter again (0.81 x, not 0.9 x)."""
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="call 0 of 1: the checkpointed expert modified one of "
+                       "its parameters in place in its forward"):
+        parallel_apply([ShrinksItsWeight()], [x], checkpoint=True, mode=mode)
+    (mod,), (ref,) = twins(ShrinksItsWeight)
+    parallel_apply([mod], [x], mode=mode)[0].sum().backward()
+    ref(x).sum().backward()  # without checkpointing it equals the loop
+    assert bits_equal(mod.fc.weight, ref.fc.weight) and bits_equal(mod.fc.weight.grad,
+                                                                   ref.fc.weight.grad)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_shape_passed_or_returned_stays_a_torch_size(mode: str, checkpoint: bool) -> None:
+    """torch.Size is a pytree node that unflattens to a plain tuple."""
+    lin = nn.Linear(4, 4)
+
+    def expert(x: Tensor, shape: torch.Size) -> Tuple[Tensor, torch.Size, bool]:
+        return lin(x).reshape(shape), x.shape, isinstance(shape, torch.Size)
+    x = torch.randn(3, 4, requires_grad=True)
+    ((y, shape, got_size),) = parallel_apply([expert], [(x, torch.Size([4, 3]))], mode=mode,
+                                              checkpoint=checkpoint)
+    assert type(shape) is torch.Size and shape.numel() == 12 and got_size
+    assert y.shape == (4, 3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpointed_forward_graph_reached_from_outside_names_the_call(mode: str) -> None:
+    """A tensor the checkpointed expert leaves in a list attribute, added to
+    the loss: its forward graph keeps nothing, so the backward raises, naming
+    the call (without checkpointing, the call's input guard raises)."""
+    class StashesInAList(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.aux: List[Tensor] = []
+
+        def forward(self, x: Tensor) -> Tensor:
+            y = self.fc(x)
+            self.aux = [torch.tanh(y).sum()]
+            return y
+    mod = StashesInAList()
+    y = parallel_apply([mod], [torch.randn(3, 4, requires_grad=True)], checkpoint=True,
+                       mode=mode)[0]
+    with pytest.raises(RuntimeError, match="call 0 of 1: a backward reached the checkpointed "
+                       "call's forward graph"):
+        (y.sum() + mod.aux[0]).backward()
+
+
+class OwnNoise(nn.Module):
+    """Multiplicative noise from a torch.Generator the expert was given."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gen = gen
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x) * torch.rand(x.shape, generator=self.gen, dtype=x.dtype)
+
+
+def _run_own_noise(runner: Callable[[List[nn.Module], List[Tensor]], List[Tensor]],
+                   shared: bool) -> Tuple[List[Tensor], Tensor, Tensor, List[Tensor]]:
+    torch.manual_seed(0)
+    gens = [torch.Generator().manual_seed(7 + (0 if shared else k)) for k in range(3)]
+    if shared:
+        gens = [gens[0]] * 3
+    mods: List[nn.Module] = [OwnNoise(g) for g in gens]
+    x = torch.randn(3, 4, requires_grad=True)
+    outs = runner(mods, [x, x, x])
+    sum(o.sum() for o in outs).backward()
+    assert x.grad is not None
+    return outs, x.grad, gens[0].get_state(), [g.get_state() for g in gens]
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_explicit_generators_replay_in_recomputation(mode: str, checkpoint: bool) -> None:
+    """A random op given the expert's own generator: a checkpointed call's
+    recomputation draws what its forward drew (from a copy), and the
+    generator advances once, as in the loop. Was silent with checkpoint=True
+    in every mode (found by an outside probe)."""
+    want = _run_own_noise(lambda ms, xs: loop(ms, xs), shared=False)
+    got = _run_own_noise(lambda ms, xs: parallel_apply(ms, xs, mode=mode, checkpoint=checkpoint),
+                         shared=False)
+    assert all(bits_equal(a, b) for a, b in zip(want[0], got[0]))
+    assert bits_equal(want[1], got[1])
+    assert all(torch.equal(a, b) for a, b in zip(want[3], got[3]))
+
+
+def test_a_generator_shared_by_concurrent_calls_raises() -> None:
+    """Calls that run at once would interleave their draws from one generator
+    in no fixed order: that raises, naming the calls; inline equals the loop."""
+    with pytest.raises(RuntimeError, match=r"draw from the same torch.Generator"):
+        _run_own_noise(lambda ms, xs: parallel_apply(ms, xs, mode="parallel"), shared=True)
+    want = _run_own_noise(lambda ms, xs: loop(ms, xs), shared=True)
+    got = _run_own_noise(lambda ms, xs: parallel_apply(ms, xs, mode="inline", checkpoint=True),
+                         shared=True)
+    assert all(bits_equal(a, b) for a, b in zip(want[0], got[0]))
+    assert bits_equal(want[1], got[1]) and torch.equal(want[2], got[2])
