@@ -18,8 +18,10 @@ Mapping::
     -------------------------------------  ------------------------------------------------
     worker name ("srv-a")                  the name of a named actor (in NAMESPACE unless
                                            told otherwise), found with ray.get_actor
-    rpc_async(worker, fn, args, timeout)   actor.run.remote(fn, args): the actor runs
-                                           fn(*args) on one of its threads
+    rpc_async(worker, fn, args, timeout)   actor.run_packed.remote(pack((fn, args))): the
+                                           actor runs fn(*args) on one of its threads and
+                                           replies pack(result); actor.run.remote(fn, args)
+                                           for a message pack refuses (see below)
     the agent's timeout (rpc_timeout)      RayTransport(timeout=...), 60 s by default,
                                            enforced by one watcher thread here
     num_worker_threads                     the actor's max_concurrency (16)
@@ -50,6 +52,11 @@ Invariants:
   at its own timeout or the transport's.
 * Tensors travel as NumPy arrays where that is exact (:mod:`.ray_wire`:
   Ray pickles those out of band, at a tenth of a tensor's pickling cost).
+* A request, and its reply, travels as ONE ``bytes`` object written by the
+  C pickler (:func:`~.ray_wire.pack`: Ray passes bytes on without
+  cloudpickle) when all it holds pickles alike both ways; otherwise Ray's
+  own serialisation carries it (``run``), and a reply that cannot be packed
+  comes back as ``(value,)``. What arrives is the same either way.
 * Callbacks run once, on Ray's completion thread or the watcher's, and must
   not block (:mod:`.batching`'s do not).
 * No private module of Ray or torch is used: ``ray.get_actor``,
@@ -68,7 +75,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .deadlines import DeadlineWatch, per_process
-from .ray_wire import to_wire
+from .ray_wire import NotPacked, pack, to_wire, unpack
 from .transport import (RPC_MAX_TIMEOUT_S, WAIT_SLICE_S, Pending, TransportError,
                         TransportSendError, TransportTimeout, check_timeout, set_transport)
 
@@ -110,11 +117,12 @@ def _short(error: BaseException) -> str:
 class _RayPending:
     """One actor call: see the module's lifecycle table."""
 
-    __slots__ = ("_transport", "_worker", "_ref", "_lock", "_event", "_value", "_error",
-                 "_callbacks", "__weakref__")
+    __slots__ = ("_transport", "_worker", "_ref", "_packed", "_lock", "_event", "_value",
+                 "_error", "_callbacks", "__weakref__")
 
-    def __init__(self, transport: "RayTransport", worker: str, ref: Any) -> None:
+    def __init__(self, transport: "RayTransport", worker: str, ref: Any, packed: bool) -> None:
         self._transport, self._worker, self._ref = transport, worker, ref
+        self._packed = packed  # sent to run_packed: the reply is bytes or (value,)
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._value: Any = None
@@ -130,6 +138,13 @@ class _RayPending:
         except BaseException as error:  # noqa: BLE001 - every engine error is mapped
             self._settle(None, self._transport._failure(self._worker, error))
             return
+        if self._packed:
+            try:
+                value = unpack(value) if type(value) is bytes else value[0]
+            except Exception as error:  # noqa: BLE001 - a malformed reply fails the call
+                self._settle(None, TransportError(f"Ray actor {self._worker!r} sent a reply "
+                                                  f"that cannot be read: {_short(error)}"))
+                return
         self._settle(value, None)
 
     def _settle(self, value: Any, error: Optional[BaseException]) -> None:
@@ -277,10 +292,17 @@ class RayTransport:
                                      "ray.init(address=...) first")
         handle = self._handle(worker)
         try:
-            ref = handle.run.remote(fn, to_wire(args))
+            data: Optional[bytes] = pack((fn, args))
+        except NotPacked:
+            data = None
+        try:
+            if data is not None:
+                ref = handle.run_packed.remote(data)
+            else:
+                ref = handle.run.remote(fn, to_wire(args))
         except Exception as error:  # noqa: BLE001 - serialisation, a dead cluster
             raise TransportSendError(_short(error)) from error
-        pending = _RayPending(self, worker, ref)
+        pending = _RayPending(self, worker, ref, data is not None)
         if limit is not None:
             _watch().add(time.monotonic() + limit, pending, limit)
         pending._watch_reply()
@@ -391,6 +413,16 @@ class _ExpertActor:
     def run(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> Any:
         """The server-side entry point: ``fn(*args)`` here (``serve_*``)."""
         return to_wire(fn(*args))
+
+    def run_packed(self, data: bytes) -> Union[bytes, Tuple[Any]]:
+        """:meth:`run` for a packed request (``pack((fn, args))``): the reply
+        packed, or ``(value,)`` when it cannot be (see :mod:`.ray_wire`)."""
+        fn, args = unpack(data)
+        value = fn(*args)
+        try:
+            return pack(value)
+        except NotPacked:
+            return (to_wire(value),)
 
     def info(self) -> Dict[str, Any]:
         import ray
