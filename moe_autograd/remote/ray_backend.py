@@ -295,14 +295,16 @@ class RayTransport:
             data: Optional[bytes] = pack((fn, args))
         except NotPacked:
             data = None
+        # A server of an older version has no run_packed: Ray's way then.
+        packed = None if data is None else getattr(handle, "run_packed", None)
         try:
-            if data is not None:
-                ref = handle.run_packed.remote(data)
+            if packed is not None:
+                ref = packed.remote(data)
             else:
                 ref = handle.run.remote(fn, to_wire(args))
         except Exception as error:  # noqa: BLE001 - serialisation, a dead cluster
             raise TransportSendError(_short(error)) from error
-        pending = _RayPending(self, worker, ref, data is not None)
+        pending = _RayPending(self, worker, ref, packed is not None)
         if limit is not None:
             _watch().add(time.monotonic() + limit, pending, limit)
         pending._watch_reply()

@@ -218,10 +218,12 @@ def test_a_pass_sends_one_packed_message_per_server(ray_world: Any) -> None:
     from moe_autograd.remote.ray_backend import RayTransport
 
     class Recorded:
-        def __init__(self, handle: Any, worker: str, log: List[Any]) -> None:
-            self.handle, self.worker, self.log = handle, worker, log
+        def __init__(self, handle: Any, worker: str, log: List[Any], missing: List[str]) -> None:
+            self.handle, self.worker, self.log, self.missing = handle, worker, log, missing
 
         def __getattr__(self, method: str) -> Any:
+            if method in self.missing:
+                raise AttributeError(method)
             remote = getattr(self.handle, method).remote
             log, worker = self.log, self.worker
 
@@ -236,9 +238,10 @@ def test_a_pass_sends_one_packed_message_per_server(ray_world: Any) -> None:
         def __init__(self) -> None:
             super().__init__(timeout=30.0)
             self.log: List[Any] = []
+            self.missing: List[str] = []  # methods the server "lacks" (an older version)
 
         def _handle(self, worker: str) -> Any:
-            return Recorded(super()._handle(worker), worker, self.log)
+            return Recorded(super()._handle(worker), worker, self.log, self.missing)
 
     t = Recording()
     experts = [RemoteExpert(w, name, transport=t) for w in ("srv-a", "srv-b")
@@ -262,3 +265,11 @@ def test_a_pass_sends_one_packed_message_per_server(ray_world: Any) -> None:
     t.log.clear()
     assert t.call("srv-a", rx.kept_batches, (), 10.0).result(10.0) == 0  # a tests' function
     assert t.log == [("srv-a", "run", ["function", "tuple"])]
+    t.log.clear()
+    t.missing.append("run_packed")  # a server without run_packed: Ray's way, same result
+    lin = nn.Linear(rx.WIDTH, rx.WIDTH)
+    lin.load_state_dict(experts[0].remote_state_dict())
+    x = torch.randn(3, rx.WIDTH)
+    with torch.no_grad():
+        assert torch.equal(experts[0](x), lin(x))
+    assert len(t.log) == 2 and all(method == "run" for _, method, _ in t.log)
