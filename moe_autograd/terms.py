@@ -101,11 +101,16 @@ class TermSplit:
     def rebind(self, leaves: Sequence[Tensor], edges: Edges) -> None:
         """Moves the split onto another graph of the same computation (a
         checkpointed call's recomputation): ``edges`` are that graph's, for
-        the same ``leaves`` as :meth:`of` got. A tensor whose edges differ in
-        number keeps the per-leaf sums."""
+        the same ``leaves`` as :meth:`of` got. The graphs may differ in
+        shape where the same computation is built otherwise (a nested batch
+        fanned out in forward, and inline in the recomputation, reaches a
+        tensor through its parallel node and its calls' gradient nodes, or
+        through the calls' own nodes): fewer edges fill the first slots, the
+        rest get None; a tensor with more edges than slots, or fewer than
+        two, keeps the per-leaf sums."""
         for group in self._groups:
             found = [e for k in group.targets for e in edges.get(id(leaves[k]), ())]
-            if len(found) == len(group.edges) and not group.summed:
+            if 2 <= len(found) <= len(group.slots) and not group.summed:
                 group.edges = found
             else:
                 group.edges, group.summed = [], True
@@ -157,7 +162,7 @@ class TermSplit:
         out = list(grads) + [None] * len(self.extras)
         for group in self._groups:
             terms, group.terms = group.terms, []
-            if group.summed or len(terms) > len(group.edges):
+            if group.summed or not terms or len(terms) > len(group.slots):
                 continue  # keep the sums (extras None)
             for k in group.targets:
                 out[k] = None

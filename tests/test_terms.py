@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_autograd import parallel_apply
+from moe_autograd import is_recomputing, parallel_apply
 from moe_autograd.module_call import ModuleCall
 
 pytestmark = pytest.mark.timeout(60)
@@ -94,23 +94,28 @@ def test_a_branch_the_backward_skips_gives_no_term(mode: str) -> None:
 
 
 class Moody(nn.Module):
-    """Reads its input twice the first time it runs, once afterwards (a count
-    outside the module's state): not recomputable, so its split cannot be
-    moved onto the recomputed graph."""
+    """Reads its input twice the first time it runs, then ``later`` times (a
+    count outside the module's state): its recomputed graph has other edges."""
 
-    def __init__(self) -> None:
+    def __init__(self, later: int) -> None:
         super().__init__()
         self.runs = [0]
+        self.later = later
 
     def forward(self, x: Tensor) -> Tensor:
         self.runs[0] += 1
-        return x * x if self.runs[0] == 1 else x * 2
+        reads = 2 if self.runs[0] == 1 else self.later
+        out = x
+        for _ in range(reads - 1):
+            out = out * x
+        return out
 
 
 def test_checkpointed_call_counts_on_forward_and_records_on_recompute() -> None:
     """A checkpointed call's split is counted on its forward's graph and moved
-    onto the recomputation's (the terms go to their slots); where the
-    recomputed graph has other edges, the tensor keeps the per-leaf sum."""
+    onto the recomputation's (the terms go to their slots); where that graph
+    reaches a tensor on one edge, or on more edges than it has slots, the
+    tensor keeps the per-leaf sum."""
     x = torch.randn(3, 4, requires_grad=True)
     call = ModuleCall(TiedTwice(), (x,), {}, checkpoint=True)
     call.forward()
@@ -120,9 +125,49 @@ def test_checkpointed_call_counts_on_forward_and_records_on_recompute() -> None:
     grads = call.backward([torch.ones_like(out)])
     assert sum(g is not None for g in grads[:1] + grads[-3:]) >= 2  # terms in several slots
 
-    moody = ModuleCall(Moody(), (x,), {}, checkpoint=True)
-    moody.forward()
-    moody.prepare()
-    assert moody._split is not None and len(moody.inputs) == 2  # x * x: two edges
-    (g, extra) = moody.backward([torch.ones(3, 4)])
-    assert extra is None and torch.equal(g, torch.full((3, 4), 2.0))  # the recomputation's sum
+    for later, want in ((1, torch.ones(3, 4)), (3, 3 * x.detach() ** 2)):
+        moody = ModuleCall(Moody(later), (x,), {}, checkpoint=True)
+        moody.forward()
+        moody.prepare()
+        assert moody._split is not None and len(moody.inputs) == 2  # x * x: two edges
+        (g, extra) = moody.backward([torch.ones(3, 4)])
+        assert extra is None and torch.equal(g, want)  # the recomputation's one term, or sum
+
+
+class NestedByMode(nn.Module):
+    """A nested batch on its input, fanned out in forward and inline in its
+    recomputation (as ``auto`` may pick: a site's first batch fans out), with
+    the input also returned; the loop's twin runs the nested calls itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.subs = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+        self.loop = False
+
+    def forward(self, x: Tensor) -> Any:
+        subs = list(self.subs)
+        if self.loop:
+            a, b = subs[0](x), subs[1](x)
+        else:
+            a, b = parallel_apply(subs, [x, x], mode="inline" if is_recomputing() else "parallel")
+        return a + b, x
+
+
+def test_checkpointed_call_whose_nested_batch_changes_mode() -> None:
+    """fuzz seed 1795671768 case 5599: the forward's graph reaches the input
+    through the nested node and its calls' gradient nodes (four edges), the
+    recomputation's through two Linear nodes: the two terms still go to the
+    first two slots, in the loop's order (they were summed first: last bits)."""
+    for seed in range(5):
+        torch.manual_seed(seed)
+        mod = NestedByMode()
+        ref = copy.deepcopy(mod)
+        ref.loop = True
+        x = torch.randn(3, 4, requires_grad=True)
+        rx = x.detach().clone().requires_grad_()
+        w1, w2 = torch.randn(3, 4), torch.randn(3, 4)
+        h, same = parallel_apply([mod], [x], checkpoint=True, mode="lanes")[0]
+        ((h * w1).sum() + (same * w2).sum()).backward()
+        rh, rsame = ref(rx)
+        ((rh * w1).sum() + (rsame * w2).sum()).backward()
+        assert _bits(x.grad, rx.grad)

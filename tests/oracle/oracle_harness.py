@@ -240,11 +240,11 @@ def build(case: Case, side: str) -> World:
     for spec, m in zip(case.calls, modules):
         for stage in m.modules():
             if isinstance(stage, InnerCheckpoint):
-                # Not where the expert flips requires_grad_() on its input
+                # Not where an expert flips requires_grad_() on an input
                 # after the block: the loop's recomputation then saves other
                 # tensors and raises (D7f's cousin), as the runtime's.
-                stage.transparent = (side != RUNTIME and not stage.reentrant
-                                     and "requires_grad_" not in spec.stages)
+                stage.transparent = (side != RUNTIME and not stage.reentrant and not any(
+                    "requires_grad_" in other.stages for other in case.calls))
             if isinstance(stage, InputInPlace):  # where the loop can do it
                 stage.active = all(s.x_kind != "leaf_rg" for j, s in enumerate(case.calls)
                                    if modules[j] is m)
