@@ -297,7 +297,7 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
     if _autocast_shares_casts(modules):
         return _inline(modules, inputs, kwargs)
     site = site_of(modules)
-    decision = choose(site, n, mode)
+    decision = choose(site, n, mode, modules)
     with Measure(site, n, decision) as measure:
         if decision.mode == INLINE and not any(flags):
             return _inline(modules, inputs, kwargs, measure=measure)

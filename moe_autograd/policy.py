@@ -57,7 +57,11 @@ sets it).
 
 The rule
 --------
-A site's *first* batch fans out (``parallel``) and is measured; then:
+A site's *first* batch fans out (``parallel``) and is measured, unless its
+experts are made only of ``torch.nn``'s own modules on the CPU, without
+hooks (:func:`computes`: no user code runs in their calls, so they cannot
+wait or meet each other): that first batch runs within the cores as a
+probe. Then:
 
 * ``inline`` if a call takes less than :data:`INLINE_BELOW_S` of its own time
   (wall minus queued; the hand-off to a worker would cost as much as the
@@ -105,7 +109,7 @@ forced batches and in inline batches of a site known to be tiny.
 Invariants
 ----------
 * A site's first batch fans out, so experts that meet each other meet in
-  it; its second runs in the mode the first's measurements pick, for a site
+  it (but a site of torch.nn modules on the CPU, whose calls only compute); its second runs in the mode the first's measurements pick, for a site
   that computes (within the cores) and for one that waits (fanned out).
 * A batch that runs within the cores after a fanned-out batch of its site
   first returns the free memory of the malloc arenas to the system.
@@ -154,7 +158,7 @@ from torch import nn
 from .executor import release_free_memory
 
 __all__ = ["INLINE", "LANES", "PARALLEL", "MODES", "INLINE_BELOW_S", "WAIT_SHARE", "Decision",
-           "choose", "record", "execution_stats", "site_of", "forced_mode",
+           "choose", "computes", "record", "execution_stats", "site_of", "forced_mode",
            "cores", "Measure"]
 
 INLINE, LANES, PARALLEL = "inline", "lanes", "parallel"
@@ -305,6 +309,8 @@ _profiles: Dict[Hashable, _Profile] = {}
 _names: Dict[Hashable, str] = {}
 _lock = threading.Lock()
 NEW_SITE = "new site: the first batch fans out and is measured"
+COMPUTES = ("new site of torch.nn modules on the CPU (they only compute): the first batch "
+            "runs within the cores and is measured")
 
 
 def _name(site: Hashable) -> str:
@@ -330,14 +336,37 @@ def _within_cores(n: int, why: str, probe: bool = False) -> Decision:
     return Decision(LANES, lanes, why, probe)
 
 
-def choose(site: Hashable, n: int, mode: Optional[str] = None) -> Decision:
-    """The mode for a batch of ``n`` calls at ``site`` (``mode`` forces it)."""
+def computes(experts: Sequence[Any]) -> bool:
+    """Whether the calls of ``experts`` can only compute: every expert is made
+    of PyTorch's own ``torch.nn`` modules (no user code runs in a call: no
+    custom ``forward``, no hooks), with its parameters and buffers on the
+    CPU (an accelerator's kernels return before they finish)."""
+    for expert in experts:
+        if not isinstance(expert, nn.Module):
+            return False
+        for m in expert.modules():
+            if not type(m).__module__.startswith("torch.nn.modules.") or (
+                    m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                    or m._backward_pre_hooks):
+                return False
+            for t in (*m._parameters.values(), *m._buffers.values()):
+                if t is not None and t.device.type != "cpu":
+                    return False
+    return True
+
+
+def choose(site: Hashable, n: int, mode: Optional[str] = None,
+           experts: Optional[Sequence[Any]] = None) -> Decision:
+    """The mode for a batch of ``n`` calls at ``site`` (``mode`` forces it);
+    ``experts``, where given, may tell a new site that only computes."""
     forced = forced_mode(mode)
     if forced is not None:
         lanes = _lanes_for(n) if forced == LANES else 1 if forced == INLINE else n
         return Decision(forced, lanes, "forced")
     profile = _profiles.get(site)
     if profile is None or profile.batches < EVIDENCE:
+        if experts is not None and computes(experts):
+            return _within_cores(n, COMPUTES, probe=True)
         return Decision(PARALLEL, n, NEW_SITE)
     decision = _decide(profile, n)
     if decision.mode != PARALLEL and profile.last == PARALLEL:

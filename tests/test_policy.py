@@ -491,3 +491,36 @@ def test_a_site_whose_calls_start_waiting_fans_out(monkeypatch: pytest.MonkeyPat
     sleep[0] = 0.030  # blocked ~90% of each call inline: the average rises past 60%
     modes = [step() for _ in range(10)]
     assert modes[-1] == "parallel", (modes, _site_stats("Sometimes"))
+
+
+class _Custom(nn.Module):
+    """A module of the user's: its forward may wait, or meet another call's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(x)
+
+
+def test_a_new_site_of_torch_nn_modules_on_the_cpu_starts_within_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.nn's own modules run no user code, so their calls cannot wait:
+    a new site of them runs its first batch within the cores (a probe), not
+    fanned out over every worker; a user module, a hook or a non-module
+    keeps the first fan-out (experts that meet each other meet in it)."""
+    monkeypatch.delenv("MOE_AUTOGRAD_MODE", raising=False)
+    plain = [nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)) for _ in range(4)]
+    assert policy.computes(plain) and policy.computes([nn.Linear(2, 2), nn.LayerNorm(2)])
+    hooked = nn.Linear(8, 8)
+    hooked.register_forward_hook(lambda m, a, o: None)
+    for other in ([_Custom()], [nn.Sequential(_Custom())], [hooked], [lambda x: x]):
+        assert not policy.computes(other)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in plain]
+    outs = parallel_apply(plain, xs)
+    sum(o.sum() for o in outs).backward()
+    stats = _site_stats("Sequential")
+    assert stats["reason"].startswith(policy.COMPUTES) and stats["mode"] in ("inline", "lanes")
+    parallel_apply([_Custom() for _ in range(4)], xs)
+    assert _site_stats("_Custom")["reason"] == policy.NEW_SITE

@@ -137,9 +137,11 @@ NOTES: Dict[str, str] = {
                "kernel (intra-op threads), so fanning out only adds contention: auto mode "
                "learns the calls are CPU-bound and runs them in cores // intra-op-threads "
                "lanes (here one: inline, the same bits as the fan-out). The loaded variant "
-               "spins one core in another process during both arms. The cold variant "
-               "times a new site's first batches: the first fans out (16 calls crowding 2 "
-               "cores, measured), every later one runs in the mode that batch picked.",
+               "spins one core in another process during both arms. The cold variants "
+               "time a new site's first batches: torch.nn's own modules on the CPU cannot "
+               "wait, so their first batch already runs within the cores (policy.computes); "
+               "behind a forward of the user's the first fans out (16 calls crowding 2 cores, "
+               "measured) and every later one runs in the mode that batch picked.",
     "checkpoint": "Memory kept for backward, from public means only: the unique storages packed "
                   "by a saved_tensors_hooks pack hook around parallel_apply (the runtime packs the "
                   "calls' saved tensors through the caller's hooks, in call order), plus the storages of the inputs the caller "

@@ -210,15 +210,32 @@ def bench_compute(quick: bool) -> List[Row]:
                         f"{what}; another process spins one core in both arms; "
                         f"auto: {_mode_of('Sequential')}"))
     rows.append(_bench_cold(quick, experts, ours, loop, what))
+    wrapped = [_Wrapped(e) for e in experts]
+    rows.append(_bench_cold(
+        quick, wrapped, lambda: backward_all(parallel_apply(wrapped, xs)), loop,
+        what + "; the same MLPs behind a forward of the user's (a new site whose calls may "
+        "wait: its first batch fans out)", name="compute/cold-custom", goal=None))
     return rows
 
 
-def _bench_cold(quick: bool, experts: List[nn.Module], ours: Any, loop: Any,
-                what: str) -> Row:
+class _Wrapped(nn.Module):
+    """The same MLP behind a forward of the user's."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+def _bench_cold(quick: bool, experts: Sequence[nn.Module], ours: Any, loop: Any,
+                what: str, name: str = "compute/cold", goal: Optional[float] = 1.1) -> Row:
     """The first COLD_BATCHES batches of a new site in auto mode (the site
     forgotten before each sample) vs as many loop steps."""
     plan = Plan.pick(quick, Plan(warmup=1, reps=10), Plan(warmup=1, reps=2))
     site = site_of(experts)
+    label = type(experts[0]).__name__
 
     def cold() -> None:
         _forget(site)  # a new site: its first batch fans out and is measured
@@ -230,7 +247,7 @@ def _bench_cold(quick: bool, experts: List[nn.Module], ours: Any, loop: Any,
             loop()
 
     s = measure({"ours": cold, "loop": loops}, plan.reps, plan.warmup)
-    return compare("compute/cold", s, "loop", "ours", 1.1,
+    return compare(name, s, "loop", "ours", goal,
                    f"{what}; the first {COLD_BATCHES} batches of a new site, auto, vs "
                    f"{COLD_BATCHES} loop steps; batches by mode in the last sample: "
-                   f"{_mode_of('Sequential', 'batches')}")
+                   f"{_mode_of(label, 'batches')}")

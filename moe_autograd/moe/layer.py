@@ -290,7 +290,7 @@ class MixtureOfExperts(nn.Module):
         if self.forward_timeout is not None or self.timeout_after_k_min is not None \
                 or self.backward_timeout is not None:
             return Decision(PARALLEL, n, "deadlines"), None
-        decision = choose(site_of(modules), n, self.mode)
+        decision = choose(site_of(modules), n, self.mode, modules)
         return decision, (None if decision.mode == PARALLEL else decision.lanes)
 
     def _router_logits(self, flat: Tensor) -> Tensor:
