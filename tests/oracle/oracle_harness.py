@@ -240,11 +240,15 @@ def build(case: Case, side: str) -> World:
     for spec, m in zip(case.calls, modules):
         for stage in m.modules():
             if isinstance(stage, InnerCheckpoint):
-                # Not where an expert flips requires_grad_() on an input
-                # after the block: the loop's recomputation then saves other
-                # tensors and raises (D7f's cousin), as the runtime's.
-                stage.transparent = (side != RUNTIME and not stage.reentrant and not any(
-                    "requires_grad_" in other.stages for other in case.calls))
+                # Not where an input is changed after the block: the loop's
+                # torch.utils.checkpoint saved it (the plain block may have
+                # saved a cast of it), so the loop raises there, as the
+                # runtime: an expert's requires_grad_() (its recomputation
+                # saves other tensors), an in-place op on an input.
+                stage.transparent = (
+                    side != RUNTIME and not stage.reentrant and "in_add_" not in case.post_ops
+                    and not any({"requires_grad_", "input_inplace"} & set(other.stages)
+                                for other in case.calls))
             if isinstance(stage, InputInPlace):  # where the loop can do it
                 stage.active = all(s.x_kind != "leaf_rg" for j, s in enumerate(case.calls)
                                    if modules[j] is m)
