@@ -258,6 +258,12 @@ def fault_client(port: int, server_pid: int, queue: Any) -> None:
     report["diag"] = (str(signal.getsignal(signal.SIGINT)),
                       sorted(map(int, signal.pthread_sigmask(signal.SIG_BLOCK, []))),
                       {k: v for k, v in os.environ.items() if "RAY" in k or "MOE" in k})
+    # The script a user runs in a terminal turns Ctrl-C into KeyboardInterrupt.
+    # A process started with SIGINT ignored (a background job of a
+    # non-interactive shell: `make test &`) inherits SIG_IGN, which Python
+    # then keeps: the diagnostics showed handler 1 (SIG_IGN) in the failing
+    # full runs. The client is that user's script: restore the default.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     rpc.init_rpc("client", rank=0, world_size=2,
                  rpc_backend_options=backend_options(port, rpc_timeout=1.0))
 
