@@ -12,8 +12,9 @@ graph ends at them and never reaches into the caller's graph. Its record's
 that require grad followed by its *parameters*: the other leaves its graph
 reaches (a checkpointed call's forward builds its graph too, with saved-tensor
 hooks that keep nothing, so the expert sees grad mode as in the loop and its
-outputs require grad as the loop's), then one copy of a tensor per extra gradient term its graph gives it
-(a tensor read on several paths, see :mod:`moe_autograd.terms`). Backward
+outputs require grad as the loop's), then one copy of a tensor per extra
+gradient term its graph gives it (a tensor read on several paths, see
+:mod:`moe_autograd.terms`). Backward
 computes the gradients with ``torch.autograd.grad`` and returns one per entry
 (a split tensor's terms one per slot); the engine accumulates them, so no
 ``.grad`` is touched here.
@@ -442,8 +443,8 @@ class ModuleCall(IsolatedCall):
 
     def prepare(self) -> None:
         """On the caller, after the forward: appends the call's parameters to
-        its ``inputs`` (the leaves its graph reaches, or for a checkpointed
-        call the module's parameters)."""
+        its ``inputs`` (the leaves its forward's graph reaches, checkpointed
+        or not), and the extra slots of its split terms."""
         self.adopt_requires_grad()
         differentiable = [o for o in self.outputs if o.requires_grad]
         edges: Edges = {}
