@@ -109,8 +109,10 @@ forced batches and in inline batches of a site known to be tiny.
 Invariants
 ----------
 * A site's first batch fans out, so experts that meet each other meet in
-  it (but a site of torch.nn modules on the CPU, whose calls only compute); its second runs in the mode the first's measurements pick, for a site
-  that computes (within the cores) and for one that waits (fanned out).
+  it (but for a site of torch.nn modules on the CPU, whose calls only
+  compute); its second runs in the mode the first's measurements pick, for
+  a site that computes (within the cores) and for one that waits (fanned
+  out).
 * A batch that runs within the cores after a fanned-out batch of its site
   first returns the free memory of the malloc arenas to the system.
 * After the first batch, CPU-bound calls never run on more threads (lanes x
@@ -339,8 +341,9 @@ def _within_cores(n: int, why: str, probe: bool = False) -> Decision:
 def computes(experts: Sequence[Any]) -> bool:
     """Whether the calls of ``experts`` can only compute: every expert is made
     of PyTorch's own ``torch.nn`` modules (no user code runs in a call: no
-    custom ``forward``, no hooks), with its parameters and buffers on the
-    CPU (an accelerator's kernels return before they finish)."""
+    custom ``forward``, no hooks on the modules; process-wide module hooks
+    are not looked at), with its parameters and buffers on the CPU (an
+    accelerator's kernels return before they finish)."""
     for expert in experts:
         if not isinstance(expert, nn.Module):
             return False
