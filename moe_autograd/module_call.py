@@ -4,7 +4,9 @@ Lifecycle::
 
     plain:        forward (grad on, graph kept) -> prepare ........ backward(grads) -> release
     checkpointed: forward (grad on, nothing saved, inputs kept) -> prepare -> recompute (same
-                  RNG, forward's autocast and module state) -> backward(grads) -> release
+                  RNG, forward's autocast and module state; queued on a worker when the
+                  outputs get gradients, or on its lane as its backward starts when the
+                  batch runs within the cores) -> backward(grads) -> release
 
 The call's tensor inputs are detached leaves (``requires_grad`` kept), so its
 graph ends at them and never reaches into the caller's graph. Its record's
@@ -302,6 +304,10 @@ class ModuleCall(IsolatedCall):
         #: The caller's tensors the expert called ``requires_grad_()`` on.
         self.flipped: List[Tensor] = []
         self._recompute: Optional[TaskGroup[None]] = None
+        #: Set when the batch runs within the cores (lanes): the recomputation
+        #: runs in the call's backward, on its lane, unless recompute_early
+        #: queued it first.
+        self.recompute_in_backward = False
         self._local_outputs: Optional[List[Tensor]] = None
         self.outputs: List[Tensor] = []
         self.result: Any = None
@@ -586,6 +592,12 @@ class ModuleCall(IsolatedCall):
             self._recompute = get_pool().submit([bind(state, self._recompute_now)])
 
     def _wait_recompute(self) -> None:
+        if self.recompute_in_backward and self._recompute is None and self._leaves is not None:
+            # Its batch runs within the cores: recompute here, on the lane
+            # that runs this call's backward, rather than on another worker.
+            state = self.state if self.state is not None else CallerState.plain()
+            bind(state, self._recompute_now)()
+            return
         self.start_recompute()
         group = self._recompute
         assert group is not None

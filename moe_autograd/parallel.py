@@ -264,7 +264,12 @@ def finish_calls(calls: Sequence[ModuleCall], policy: Optional[BackwardPolicy] =
     for call, outs in zip(calls, attached):
         if call.checkpoint:
             differentiable = [k for k, o in enumerate(outs) if o.requires_grad]
-            if differentiable:
+            if lanes is not None:
+                # Within the cores: each lane recomputes its calls as their
+                # backward starts (queued on workers as soon as the outputs
+                # get their gradients, they would crowd the cores).
+                call.recompute_in_backward = True
+            elif differentiable:
                 k = differentiable[0]
                 outs[k] = _hook_recompute(outs[k], [call])
             for out in outs:  # what recompute_early looks for

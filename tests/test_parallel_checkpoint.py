@@ -7,6 +7,7 @@ sequential loop. ``recompute_early`` starts the recomputation as soon as
 backward reaches the trigger tensor.
 """
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -14,7 +15,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_autograd import is_checkpointing, is_recomputing, parallel_apply, recompute_early
+from moe_autograd import (is_checkpointing, is_recomputing, parallel_apply, policy,
+                          recompute_early)
 from helpers import wait_dead
 
 D = 8
@@ -601,3 +603,32 @@ def test_saved_inputs_freed_after_backward(checkpoint: bool) -> None:
     sum(o.sum() for o in outs).backward()
     assert wait_dead(refs) == [False] * n
     assert w.grad is not None and len(outs) == n
+
+
+class _RecordsRecompute(nn.Module):
+    def __init__(self, threads: List[str]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+        self.threads = threads
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_recomputing():
+            self.threads.append(threading.current_thread().name)
+            time.sleep(0.01)  # time for an idle worker to take a queued recomputation
+        return torch.tanh(self.fc(x))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["inline", "lanes"])
+def test_a_batch_within_the_cores_recomputes_on_its_lanes(mode: str) -> None:
+    """Calls that run within the cores (inline, lanes) recompute in their own
+    backward, on the lane that runs it: queued on workers as soon as their
+    outputs got gradients, 8 recomputations would crowd the cores (and their
+    intra-op teams keep spinning after them)."""
+    threads: List[str] = []
+    experts = [_RecordsRecompute(threads) for _ in range(8)]
+    xs = [torch.randn(4, D, requires_grad=True) for _ in experts]
+    outs = parallel_apply(experts, xs, checkpoint=True, mode=mode)
+    sum(o.sum() for o in outs).backward()
+    lanes = 1 if mode == "inline" else policy._lanes_for(8)
+    assert len(threads) == 8 and len(set(threads)) <= lanes, threads
