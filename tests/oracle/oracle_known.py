@@ -151,10 +151,11 @@ KNOWN_DIVERGENCES: List[Known] = [
           "unneeded parts are raised",
           lambda c: c.grad_method in ("backward_inputs", "autograd_grad")
           and (bool({"hook:out", "retain_grad", "raise:backward"} & constructs(c))
-               or c.function is not None),
-          ("hooks", "retained", "fail.outcome", "fn_log.backward"),
+               or c.function is not None
+               or any("input_inplace" in s.stages for s in c.calls)),
+          ("hooks", "retained", "fail.outcome", "fn_log.backward", "backward"),
           ("value", "unexpected_error"),
-          witnesses=((0, 210), (0, 750), (0, 795))),
+          witnesses=((0, 210), (0, 750), (0, 795), (1795676440, 1137))),
     Known("D10-inline-backward-error-unnamed",
           "mode=inline (or auto where the policy runs the batch inline): an expert's error "
           "in backward does not name the call",
