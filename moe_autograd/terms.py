@@ -34,8 +34,9 @@ only for the duration of one ``torch.autograd.grad``.
 A checkpointed call counts its edges on its forward's graph (built with grad
 on, nothing saved) and records its terms on its recomputation's:
 :meth:`TermSplit.rebind` moves the split onto the recomputed graph's nodes
-(the same edges, as the recomputation is the same computation; where it is
-not, that tensor's terms fall back to the per-leaf sums).
+(the same computation; where it reaches a tensor on fewer edges, built
+otherwise, those fill the first slots, and where on more than the slots or
+on one, that tensor keeps the per-leaf sums).
 """
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
