@@ -122,12 +122,15 @@ KNOWN_DIVERGENCES: List[Known] = [
     Known("D7f-requires-grad-in-non-reentrant-frame",
           "x.requires_grad_() inside an expert on an input that did not require grad, in a "
           "non-reentrant checkpoint frame: the loop's recomputation raises CheckpointError "
-          "(the flipped input saves other tensors the second time); the runtime computes",
+          "(the flipped input saves other tensors the second time) where the runtime "
+          "computes or meets another error first, or the other way round (the frame's "
+          "recomputation runs the batch in another mode, which saves other tensors)",
           lambda c: _all("stage:requires_grad_", "x:leaf", "frame:ckpt_nonreentrant")(c)
           and c.grad_mode == "grad",
-          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step"),
-          ("missing_error", "value"),
-          witnesses=((0, 468),)),
+          ("backward", "autograd_grad", "grads", "autograd_grad.values", "after_step",
+           "fail.outcome"),
+          ("missing_error", "value", "unexpected_error"),
+          witnesses=((0, 468), (1795676629, 824), (1795676629, 17619))),
     Known("D15-expert-in-place-on-non-leaf-input",
           "an in-place op of the expert on its non-leaf input raises 'a leaf Variable that "
           "requires grad is being used in an in-place operation' (the call sees a detached "
