@@ -5,7 +5,8 @@ both fan out over a worker pool, with gradients equal to sequential autograd.
 
 The package's main names are importable from here: the runtime
 (``parallel_apply``, ``map_with_parallel_backward``, ...), the layer
-(``MixtureOfExperts``, ``NotEnoughExperts``, ``run_experts``) and the remote
+(``MixtureOfExperts``, ``NotEnoughExperts``, ``run_experts``,
+``grouped_experts``) and the remote
 experts (``ExpertServer``, ``RemoteExpert``, ``RemoteExpertError``,
 ``RemoteTimeoutError``, and on Ray ``RayExpertServer``, ``RayTransport``, ``RayFleet``).
 
@@ -35,7 +36,7 @@ from .parallel import parallel_apply, recompute_early
 from .policy import execution_stats
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
-    from .moe import MixtureOfExperts, NotEnoughExperts, run_experts
+    from .moe import MixtureOfExperts, NotEnoughExperts, grouped_experts, run_experts
     from .remote import (ExpertServer, RayExpertServer, RayFleet, RayTransport, RemoteExpert,
                          RemoteExpertError, RemoteTimeoutError)
 
@@ -53,6 +54,7 @@ __all__ = [
     "MixtureOfExperts",
     "NotEnoughExperts",
     "run_experts",
+    "grouped_experts",
     "ExpertServer",
     "RemoteExpert",
     "RemoteExpertError",
@@ -69,6 +71,7 @@ _LAZY: Dict[str, str] = {
     "MixtureOfExperts": ".moe",
     "NotEnoughExperts": ".moe",
     "run_experts": ".moe",
+    "grouped_experts": ".moe",
     "ExpertServer": ".remote",
     "RemoteExpert": ".remote",
     "RemoteExpertError": ".remote",

@@ -57,6 +57,7 @@ from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
 from .node import Grads, IsolatedCall, replayable_view
 from .module_state import ModuleState
+from .call_streams import Ready, call_streams, cuda_devices, hand_back, record_ready
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
@@ -224,13 +225,32 @@ def _run_expert(module: Expert, args: Sequence[Any], kwargs: Mapping[str, Any],
         return module(*args, **kwargs)
 
 
+def _cuda_devices_of(device: torch.device, leaves: Sequence[Any]) -> Tuple[torch.device, ...]:
+    """The CUDA devices a call works on (see :mod:`moe_autograd.call_streams`)."""
+    devices = cuda_devices(leaves)
+    if device.type == "cuda" and device not in devices:
+        devices = (device, *devices)
+    return devices
+
+
 def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any],
-                rng: Optional[CallRng], name: str) -> Any:
+                rng: Optional[CallRng], name: str, index: int = 0,
+                ready: Optional[Ready] = None) -> Any:
     """The call as a loop makes it, on this thread and in the caller's graph,
-    drawing from ``rng`` (the ``inline`` mode of :mod:`moe_autograd.policy`)."""
+    drawing from ``rng`` (the ``inline`` mode of :mod:`moe_autograd.policy`),
+    on CUDA on call ``index``'s streams after ``ready``'s events (those of
+    its devices missing there are recorded into it first)."""
     leaves = tree_flatten((args, kwargs))[0]
-    with rng.activate() if rng is not None else nullcontext():
-        return _run_expert(module, args, kwargs, _device_of(module, leaves), name)
+    device = _device_of(module, leaves)
+    devices = _cuda_devices_of(device, leaves)
+    if ready is not None and any(d not in ready for d in devices):
+        ready.update(record_ready(d for d in devices if d not in ready))
+    with call_streams(devices, index, leaves, ready) as pairs, \
+            rng.activate() if rng is not None else nullcontext():
+        result = _run_expert(module, args, kwargs, device, name)
+    if pairs:
+        hand_back(pairs, tree_flatten(result)[0])
+    return result
 
 
 def _drop(t: Tensor) -> None:
@@ -292,6 +312,12 @@ class ModuleCall(IsolatedCall):
         self._grad_leaves = [v for v in self._leaves if isinstance(v, Tensor) and v.requires_grad]
         self.params: List[Tensor] = []
         self.device = _device_of(module, leaves)
+        #: The CUDA devices it works on: it runs on its own streams there,
+        #: after the events of its batch's forward (set by the batch) and of
+        #: its backward (see :mod:`moe_autograd.call_streams`).
+        self.cuda_devices = _cuda_devices_of(self.device, leaves)
+        self.ready: Optional[Ready] = None
+        self._backward_ready: Optional[Ready] = None
         self.rng = rng if rng is not None else CallRng.fork()
         #: The caller's thread state at the call, also for its recomputation.
         self.state = state
@@ -319,7 +345,14 @@ class ModuleCall(IsolatedCall):
         return _run_expert(self.module, args, kwargs, self.device, self.name)
 
     def forward(self) -> "ModuleCall":
-        """Runs the call on this thread (a worker); fills ``outputs``."""
+        """Runs the call on this thread (a worker), on its own CUDA streams
+        (see :mod:`moe_autograd.call_streams`); fills ``outputs``."""
+        with call_streams(self.cuda_devices, self.index, self._leaves or (), self.ready) as pairs:
+            attrs = self._forward()
+        hand_back(pairs, [*self.outputs, *attrs])
+        return self
+
+    def _forward(self) -> List[Tensor]:
         module = self.module
         state = ModuleState(module, self.checkpoint) if isinstance(module, nn.Module) else None
         if self.checkpoint:
@@ -375,7 +408,7 @@ class ModuleCall(IsolatedCall):
         self._module_state = state if state is not None and (
             attrs or (self.checkpoint and state.changes)) else None
         self._plan_outputs(attrs)
-        return self
+        return attrs
 
     def _plan_outputs(self, attrs: Sequence[Tensor] = ()) -> None:
         """Which of the result's tensors the node must carry (its *roots*),
@@ -541,7 +574,8 @@ class ModuleCall(IsolatedCall):
                 "call; its recomputation would see other values (as a tensor autograd saved "
                 "for backward, it must not change before the backward)")
         state = self._module_state
-        with torch.enable_grad(), enable_recomputing(), \
+        with call_streams(self.cuda_devices, self.index, ready=self.ready), torch.enable_grad(), \
+                enable_recomputing(), \
                 state.replayed() if state is not None else nullcontext(), \
                 rng.activate() if rng.drew is not False else nullcontext():
             result = self._call()
@@ -606,12 +640,22 @@ class ModuleCall(IsolatedCall):
             raise group.errors[0]
 
     # -- backward --------------------------------------------------------------
+    def backward_starts(self) -> None:
+        if self.cuda_devices:
+            self._backward_ready = record_ready(self.cuda_devices)
+
     def backward(self, grad_outputs: Grads) -> Grads:
         if self._leaves is None:
             raise RuntimeError(f"{self.name}: backward after its graph was freed")
         self._in_backward += 1
         try:
-            return self._backward(grad_outputs)
+            # On its own CUDA streams, those of its forward (where the engine
+            # runs its graph's backward ops anyway).
+            with call_streams(self.cuda_devices, self.index, grad_outputs,
+                              self._backward_ready) as pairs:
+                grads = self._backward(grad_outputs)
+            hand_back(pairs, grads)
+            return grads
         finally:
             self._in_backward -= 1
 

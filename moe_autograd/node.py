@@ -129,6 +129,11 @@ class IsolatedCall:
         worth it where it has parameter gradients to accumulate and free."""
         return False
 
+    def backward_starts(self) -> None:
+        """Runs on the node's thread as its backward starts, before
+        :meth:`backward` is queued (a call on CUDA streams records there what
+        its backward waits for, see :mod:`moe_autograd.call_streams`)."""
+
     def backward(self, grad_outputs: Grads) -> Any:
         """Runs on a worker; returns what :meth:`input_grads` turns into one
         gradient per entry of ``inputs``. At least one entry of
@@ -562,6 +567,8 @@ class _Pass:
             if failure is not None:
                 saves.fail(failure)
         self._muted = _Muted(calls, self.active)
+        for i in self.active:
+            calls[i].backward_starts()
         # On a device thread: one lane, this thread, and no deadline can hold.
         self.inline = _on_device_thread(plan, self.active)
         order = list(reversed(self.active))

@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_flatten
 from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
 from .executor import TaskGroup
+from .call_streams import Ready, record_ready
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
 from .policy import INLINE, LANES, Measure, choose, site_of
@@ -128,6 +129,11 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     ]
     _import_lazy_modules()
     grad_enabled = torch.is_grad_enabled()
+    devices = [d for call in calls for d in getattr(call, "cuda_devices", ())]
+    if devices:  # what every call's CUDA streams wait for: the caller's work so far
+        ready = record_ready(devices)
+        for call in calls:
+            call.ready = ready
 
     def task(call: ModuleCall) -> Callable[[], ModuleCall]:
         def run() -> ModuleCall:
@@ -328,11 +334,12 @@ def _inline(modules: Sequence[Expert], inputs: Sequence[Any],
     n = len(modules)
     rngs: List[Optional[CallRng]] = list(CallRng.fork_many(n)) if forked else [None] * n
     results = []
+    ready: Ready = {}  # filled by the first call on each CUDA device
     for i in range(n):
         name = f"parallel_apply: call {i} of {n}"
         def call(i: int = i, name: str = name) -> Any:
             return call_inline(modules[i], _as_args(inputs[i]),
-                               (kwargs[i] if kwargs else None) or {}, rngs[i], name)
+                               (kwargs[i] if kwargs else None) or {}, rngs[i], name, i, ready)
         try:
             results.append(measure.timed(i, call)() if measure is not None else call())
         except BaseException as error:

@@ -1,10 +1,13 @@
 """The thread-local state that a call carries from its caller to a worker.
 
-PyTorch keeps autocast, inference mode and saved-tensor hooks per thread. A
+PyTorch keeps autocast, inference mode, saved-tensor hooks and the current
+CUDA streams per thread. A
 call that runs on a worker must see the same state as if it ran on the caller,
-otherwise an expert would silently compute in another precision (autocast) or
+otherwise an expert would silently compute in another precision (autocast),
 escape the user's saved-tensor hooks (offloading, memory accounting,
-non-reentrant checkpoint frames). The autograd engine does the same for its
+non-reentrant checkpoint frames), or queue its kernels on a stream that does
+not wait for the caller's work (the caller's ``torch.cuda.stream``, or the
+stream the engine runs a node's backward on). The autograd engine does the same for its
 own threads.
 
 Invariants:
@@ -48,7 +51,7 @@ class CallerState:
     """A snapshot of the caller thread's state, taken at submission."""
 
     __slots__ = ("autocast", "cache_enabled", "inference_mode", "saved_tensor_hooks",
-                 "dispatch_modes")
+                 "dispatch_modes", "cuda_streams")
 
     def __init__(self) -> None:
         self.autocast: List[Tuple[str, bool, torch.dtype]] = [
@@ -64,6 +67,8 @@ class CallerState:
         # caller's own: a task that the caller runs itself must not see them,
         # or what they record depends on which calls the caller happened to run.
         self.dispatch_modes = torch._C._len_torch_dispatch_stack() > 0
+        #: The current streams of the CUDA devices where it is not the default.
+        self.cuda_streams = _current_cuda_streams()
 
     @classmethod
     def plain(cls) -> "CallerState":
@@ -77,12 +82,13 @@ class CallerState:
         state.inference_mode = False
         state.saved_tensor_hooks = None
         state.dispatch_modes = False
+        state.cuda_streams = ()
         return state
 
     @property
     def is_default(self) -> bool:
         return not (self.inference_mode or self.saved_tensor_hooks is not None
-                    or self.dispatch_modes
+                    or self.dispatch_modes or self.cuda_streams
                     or any(enabled for _, enabled, _ in self.autocast))
 
     def saves(self) -> Optional[CallSaves]:
@@ -97,6 +103,8 @@ class CallerState:
         with ExitStack() as stack:
             if self.dispatch_modes and torch._C._len_torch_dispatch_stack() > 0:
                 stack.enter_context(_disable_current_modes())
+            for stream in self.cuda_streams:
+                stack.enter_context(torch.cuda.stream(stream))
             if self.inference_mode and not torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode())
             for device, enabled, dtype in self.autocast:
@@ -113,6 +121,17 @@ class CallerState:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
             yield
 
+
+
+def _current_cuda_streams() -> Tuple[torch.cuda.Stream, ...]:
+    if not torch.cuda.is_initialized():
+        return ()
+    streams = []
+    for index in range(torch.cuda.device_count()):
+        stream = torch.cuda.current_stream(index)
+        if stream != torch.cuda.default_stream(index):
+            streams.append(stream)
+    return tuple(streams)
 
 
 def _identity(x: Any) -> Any:

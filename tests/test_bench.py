@@ -69,3 +69,51 @@ def test_remote_rows_format() -> None:
     rows = [{"name": "remote/vs-torch", "baseline_ms": 30.0, "ours_ms": 40.0, "ratio": 1.33,
              "goal": "<= 0.67", "note": "n"}]
     assert "30.000" in remote.format_rows(rows) and "40.000" in remote.format_rows(rows)
+
+
+@pytest.mark.timeout(60)
+def test_gpu_group_cpu_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The ``gpu`` group's code at tiny sizes on the CPU (CI has no GPU): every
+    variant runs and gets a ratio to the loop, or says why it was skipped."""
+    assert bench.main(["--device", "cpu", "--only", "gpu", "--quick", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    for setup in ("tiny-e4", "tiny-e16"):
+        for variant in ("hf-grouped_mm", "grouped_mm", "moe", "run_experts"):
+            ratio = _ratio_of(out, f"gpu/{setup}/{variant}")
+            assert math.isfinite(ratio) and ratio > 0
+        assert f"| gpu/{setup}/ours-grouped |" in out  # a ratio, or why not
+    assert "FAILED" not in out and "bf16" in out and "k=2" in out
+
+
+def test_gpu_group_skips_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    assert bench.main(["--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped: CUDA is not available" in out
+    assert re.search(r"^gpu:\s+none: CUDA is not available", out, re.M)  # the machine line
+
+
+def test_grouped_swiglu_matches_the_loop() -> None:
+    """Variant (c) of the gpu group computes the loop block's outputs and
+    gradients (float32 on the CPU, where the grouped kernel runs too)."""
+    from moe_autograd.bench.gpu import _route, grouped_swiglu
+    from moe_autograd.bench.moe_scale import LoopBlock, SwiGLU
+
+    torch.manual_seed(0)
+    d, hidden, k = 16, 8, 2
+    modules = [SwiGLU(d, hidden) for _ in range(5)]
+    gate = nn.Linear(d, 5, bias=False)
+    w_gate_up = torch.stack([torch.cat([e.w1.weight, e.w3.weight]).t() for e in modules])
+    w_down = torch.stack([e.w2.weight.t() for e in modules])
+    w_gate_up, w_down = (w.detach().contiguous().requires_grad_() for w in (w_gate_up, w_down))
+    x = torch.randn(12, d, requires_grad=True)
+    dy = torch.randn(12, d)
+    y = LoopBlock(gate, nn.ModuleList(modules), k)(x)
+    dx, dw1, dw2 = torch.autograd.grad(y, (x, modules[0].w1.weight, modules[0].w2.weight), dy)
+    mine = grouped_swiglu(x, *_route(gate, x, k), w_gate_up, w_down)
+    my_dx, my_dgu, my_dd = torch.autograd.grad(mine, (x, w_gate_up, w_down), dy)
+    torch.testing.assert_close(mine, y)
+    torch.testing.assert_close(my_dx, dx)
+    torch.testing.assert_close(my_dgu[0, :, :hidden], dw1.t())
+    torch.testing.assert_close(my_dd[0], dw2.t())

@@ -9,7 +9,8 @@ import moe_autograd
 
 DEFINED_IN = {
     "MixtureOfExperts": "moe_autograd.moe", "NotEnoughExperts": "moe_autograd.moe",
-    "run_experts": "moe_autograd.moe", "ExpertServer": "moe_autograd.remote",
+    "run_experts": "moe_autograd.moe", "grouped_experts": "moe_autograd.moe",
+    "ExpertServer": "moe_autograd.remote",
     "RemoteExpert": "moe_autograd.remote", "RemoteExpertError": "moe_autograd.remote",
     "RemoteTimeoutError": "moe_autograd.remote", "RayExpertServer": "moe_autograd.remote",
     "RayTransport": "moe_autograd.remote", "RayFleet": "moe_autograd.remote", "parallel_apply": "moe_autograd.parallel",

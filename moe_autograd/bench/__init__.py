@@ -1,6 +1,7 @@
 """Benchmarks of the runtime against its baselines, measured side by side.
 
-Run ``python -m moe_autograd bench [--quick] [--only NAME...] [--markdown]``.
+Run ``python -m moe_autograd bench [--quick] [--only NAME...] [--markdown]
+[--device {cpu,cuda}] [--profile [--profile-dir DIR]]``.
 Every row compares a baseline with ours in the *same* process and the *same*
 loop; ``ratio`` is ours / baseline, so lower is better everywhere.
 
@@ -53,6 +54,14 @@ Groups
 ``ray-elastic``
     :mod:`.ray_elastic`: the same two rows with the fleet on Ray (RayFleet
     over named actors; skipped without ``ray``).
+``gpu``
+    :mod:`.gpu`: one bf16 MoE training step on a GPU (Mixtral-like and many
+    small experts): the expert loop, transformers' and torch's grouped GEMM,
+    and ours. Runs with ``--device cuda`` (alone, unless ``--only`` names
+    more groups; a skipped row without CUDA), or as a CPU smoke run at tiny
+    sizes with ``--device cpu --only gpu``; never in a plain CPU run.
+    ``--profile`` adds ``torch.profiler`` tables per variant (to
+    ``--profile-dir``, else stderr).
 
 ``remote`` and ``moe`` are imported when they run (they need more of torch and
 of the package); their ``run(quick)`` returns dicts with keys ``name,
@@ -122,7 +131,18 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
     "elastic": _external("elastic", f"{__name__}.elastic"),
     "ray-elastic": _external("ray-elastic", f"{__name__}.ray_elastic"),
+    "gpu": lambda quick: _gpu(quick, "cuda"),
 }
+
+DEVICE_GROUPS = ("gpu",)  # run by --device cuda or --only, never by a plain CPU run
+
+
+def _gpu(quick: bool, device: str, profile: bool = False,
+         profile_dir: Optional[str] = None) -> List[Row]:
+    module = importlib.import_module(f"{__name__}.gpu")
+    rows: List[Row] = module.bench_gpu(quick, device, profile=profile, profile_dir=profile_dir)
+    return rows
+
 
 NOTES: Dict[str, str] = {
     "latency": "Sleeping calls release the GIL, so all 32 overlap in forward and, through the "
@@ -186,12 +206,23 @@ NOTES: Dict[str, str] = {
                    "the fleet's churn (the start completing, RayFleet seeing it, calls moving; "
                    "a drain), not a worker importing torch; the fleet polls every 0.1 s and "
                    "re-reads the cluster at once when a name has no replica.",
+    "gpu": "ratio = variant / the loop block, one bf16 fwd+bwd step with the router, same "
+           "routing and weights (moe_autograd.bench.gpu). Grouped GEMM runs every expert's "
+           "matmuls in one kernel per projection without syncing with the host; the loop, "
+           "run_experts and the layer launch dozens of kernels per expert and sync to split "
+           "the tokens: expected to lose with many small experts (launch-bound), and to tie "
+           "with a few big ones (Mixtral), where the same GEMMs dominate; --profile tells. "
+           "Peak memory is one step's beyond the weights and input (its activations and "
+           "new gradients).",
 }
 
 
 def run_benchmarks(groups: Sequence[str], quick: bool,
-                   progress: Optional[Callable[[str], None]] = None) -> Tuple[List[Row], List[str]]:
-    """Runs the groups in order; returns their rows and the notes that apply."""
+                   progress: Optional[Callable[[str], None]] = None, *, device: str = "cpu",
+                   profile: bool = False, profile_dir: Optional[str] = None
+                   ) -> Tuple[List[Row], List[str]]:
+    """Runs the groups in order; returns their rows and the notes that apply.
+    ``device``, ``profile`` and ``profile_dir`` go to the ``gpu`` group."""
     rows: List[Row] = []
     notes: List[str] = []
     for group in groups:
@@ -199,7 +230,8 @@ def run_benchmarks(groups: Sequence[str], quick: bool,
             progress(group)
         start = time.perf_counter()
         try:
-            produced = GROUPS[group](quick)
+            produced = (_gpu(quick, device, profile, profile_dir) if group == "gpu"
+                        else GROUPS[group](quick))
         except Exception as error:  # one broken group must not lose the others' numbers
             produced = [row(group, None, None, None,
                             note=f"FAILED: {type(error).__name__}: {error}")]
@@ -221,14 +253,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"run only these groups: {', '.join(GROUPS)}")
     parser.add_argument("--markdown", action="store_true",
                         help="print a Markdown table (for BENCHMARKS.md)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: run the gpu group (alone unless --only names more); cpu "
+                             "(default): the CPU groups, and gpu at tiny sizes if --only names it")
+    parser.add_argument("--profile", action="store_true",
+                        help="gpu group: torch.profiler tables of one step per variant")
+    parser.add_argument("--profile-dir", metavar="DIR",
+                        help="write the --profile tables here, one gpu-<row>.txt per row group "
+                             "(implies --profile; default: stderr)")
     args = parser.parse_args(argv)
-    groups = [g for g in GROUPS if args.only is None or g in args.only]
+    if args.only is not None:
+        groups = [g for g in GROUPS if g in args.only]
+    elif args.device == "cuda":
+        groups = list(DEVICE_GROUPS)
+    else:
+        groups = [g for g in GROUPS if g not in DEVICE_GROUPS]
 
     def progress(message: str) -> None:
         print(f"[bench] {message}", file=sys.stderr, flush=True)
 
-    info = machine_info(args.quick)
-    rows, notes = run_benchmarks(groups, args.quick, progress)
+    info = machine_info(args.quick, args.device)
+    rows, notes = run_benchmarks(groups, args.quick, progress, device=args.device,
+                                 profile=args.profile or args.profile_dir is not None,
+                                 profile_dir=args.profile_dir)
     formatter = format_markdown if args.markdown else format_text
     print(formatter(info, rows, notes), flush=True)
     return 0

@@ -41,8 +41,21 @@ def _commit() -> Optional[str]:
     return out.stdout.strip() or None
 
 
-def machine_info(quick: bool) -> List[Tuple[str, str]]:
-    """``(label, value)`` pairs for the table's header."""
+def _gpu_model() -> str:
+    """The GPU the ``gpu`` group runs on (the current CUDA device), or why none."""
+    if not torch.cuda.is_available():
+        why = "torch built without CUDA" if torch.version.cuda is None else "no device visible"
+        return f"none: CUDA is not available ({why})"
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return (f"{torch.cuda.get_device_name(index)} ({props.total_memory / 2**30:.0f} GiB, "
+            f"capability {props.major}.{props.minor}), CUDA {torch.version.cuda}, "
+            f"{torch.cuda.device_count()} visible")
+
+
+def machine_info(quick: bool, device: str = "cpu") -> List[Tuple[str, str]]:
+    """``(label, value)`` pairs for the table's header; with ``device="cuda"``
+    the GPU's too."""
     cores = os.cpu_count() or 0
     try:
         usable = len(os.sched_getaffinity(0))
@@ -54,6 +67,7 @@ def machine_info(quick: bool) -> List[Tuple[str, str]]:
         ("cores", f"{cores}" + (f" ({usable} usable)" if usable != cores else "")),
         ("torch", f"{torch.__version__}, intra-op threads {torch.get_num_threads()}"),
         ("python", platform.python_version()),
+        *([("gpu", _gpu_model())] if device == "cuda" else []),
         ("MOE_AUTOGRAD_WORKERS", workers),
         ("date", datetime.datetime.now().astimezone().isoformat(timespec="seconds")),
         ("mode", "quick" if quick else "full"),

@@ -32,6 +32,12 @@ The combine adds the surviving answers as one ``index_add_`` per expert in
 expert order would, rounding after each in bfloat16 too (:mod:`.dispatch`),
 and costs O(tokens x k x d), not O(experts x tokens x d).
 
+``grouped_mm=True`` (opt-in, for GPUs with many small same-shape SwiGLU
+experts) replaces the per-expert calls and the combine by two grouped GEMMs
+over the experts' stacked weights (:mod:`.grouped`): one call, no failure
+masking, and NOT bit-equal to the loop (equal within floating-point
+tolerance). Every other path is unchanged by it.
+
 Data flow is one way: this module uses the runtime
 (:func:`moe_autograd.parallel.start_calls` / ``finish_calls``); nothing in the
 runtime knows about gates or tokens.
@@ -47,8 +53,10 @@ from ..executor import CallCancelled, TaskGroup
 from ..parallel import ModuleCall, finish_calls, start_calls
 from ..policy import PARALLEL, Decision, Measure, choose, forced_mode, site_of
 from ..transforms import opaque_to_dynamo
-from .dispatch import combine, dispatch
-from .gating import combine_weights, load_balancing_loss, mixtral_load_balancing_loss, route
+from .dispatch import combine, dispatch, no_answers
+from .gating import (Routing, combine_weights, load_balancing_loss, mixtral_load_balancing_loss,
+                     route)
+from .grouped import check_experts, grouped_experts, grouped_mm_available, stack_experts
 from .hf_blocks import read_block, rename_keys
 from .quorum import check_timeout, gather
 from .stats import StatsBook
@@ -86,6 +94,32 @@ def _load_stacked_experts(module: nn.Module, state_dict: Dict[str, Any], prefix:
         del state_dict[key]
         for e, part in enumerate(value.unbind(0)):
             state_dict[f"{head}{e}.{name}"] = part
+
+
+def _check_grouped(experts: Sequence[nn.Module], in_features: int,
+                   out_features: Optional[int], **options: Any) -> None:
+    """ValueError naming the first option or expert that ``grouped_mm=True``
+    cannot honour; NotImplementedError for a torch without ``_grouped_mm``."""
+    refused = {"checkpoint": "there are no per-expert calls to recompute",
+               "forward_timeout": "one grouped call cannot miss a deadline per expert",
+               "timeout_after_k_min": "one grouped call cannot miss a deadline per expert",
+               "backward_timeout": "one grouped backward cannot miss a deadline per expert",
+               "detect_anomalies": "non-finite answers cannot be masked per expert",
+               "allow_zero_outputs": "no expert can fail alone, so no token is left without "
+                                     "answers",
+               "mode": "there is one call, not one per expert, to schedule"}
+    for name, why in refused.items():
+        value = options[name]
+        if value is not None and value is not False:
+            raise ValueError(f"MixtureOfExperts(grouped_mm=True) does not take {name}="
+                             f"{value!r}: {why}")
+    if not grouped_mm_available():
+        raise NotImplementedError(f"MixtureOfExperts(grouped_mm=True): torch {torch.__version__} "
+                                  f"has no torch._grouped_mm (torch 2.8 or later needed)")
+    d = check_experts(experts)  # refuses other experts, naming the first
+    if d != in_features or (out_features is not None and out_features != d):
+        raise ValueError(f"MixtureOfExperts(grouped_mm=True): the experts map {d} features to "
+                         f"{d}, but in_features={in_features}, out_features={out_features}")
 
 
 class MixtureOfExperts(nn.Module):
@@ -128,6 +162,25 @@ class MixtureOfExperts(nn.Module):
     ``timeout_after_k_min``, ``backward_timeout``) they always fan out, since
     the caller must never be caught inside a straggler. Results are the same
     in every mode.
+
+    ``grouped_mm=True`` (opt-in; default False) runs the experts as two
+    grouped GEMMs (``torch._grouped_mm``, :func:`~moe_autograd.moe.grouped_experts`)
+    instead of one call each: for GPUs (CUDA, compute capability 9.x/10.x,
+    bfloat16) with many small same-shape experts, whose per-call cost then
+    dominates. Each forward stacks the weights of the experts that got tokens
+    with ``torch.stack`` (differentiable: every such expert's parameters get
+    their gradient; the others none, as in the loop). The experts must all be
+    :class:`~moe_autograd.moe.MixtralExpert` or the bench's ``SwiGLU``
+    (``w1``, ``w3``, ``w2`` ``nn.Linear`` without bias) of one shape, dtype and
+    activation; ``checkpoint``, ``forward_timeout``, ``timeout_after_k_min``,
+    ``backward_timeout``, ``detect_anomalies``, ``allow_zero_outputs`` and
+    ``mode`` are refused (there are no per-expert calls to checkpoint, time,
+    mask or schedule: any failure raises), as are other experts (remote ones
+    included), each with a ValueError naming it. ``k_min`` and
+    ``backward_k_min`` always hold (every chosen expert answers). Results are
+    NOT bit-equal to the loop (a grouped GEMM sums in its own order, and the
+    per-token sums are float32): equal within floating-point tolerance.
+    ``stats()`` counts calls only.
     """
 
     def __init__(self, experts: Sequence[nn.Module], in_features: int, k: int = 2, *,
@@ -141,11 +194,18 @@ class MixtureOfExperts(nn.Module):
                  return_router_logits: bool = False, gate: Optional[nn.Module] = None,
                  mode: Optional[str] = None, norm_topk_prob: bool = True,
                  shared_expert: Optional[nn.Module] = None,
-                 shared_expert_gate: Optional[nn.Module] = None) -> None:
+                 shared_expert_gate: Optional[nn.Module] = None,
+                 grouped_mm: bool = False) -> None:
         super().__init__()
         forced_mode(mode)  # a bad mode fails here, naming the argument
         if not experts:
             raise ValueError("MixtureOfExperts needs at least one expert")
+        if grouped_mm:
+            _check_grouped(experts, in_features, out_features, checkpoint=checkpoint,
+                           forward_timeout=forward_timeout,
+                           timeout_after_k_min=timeout_after_k_min,
+                           backward_timeout=backward_timeout, detect_anomalies=detect_anomalies,
+                           allow_zero_outputs=allow_zero_outputs, mode=mode)
         if not 1 <= k <= len(experts):
             raise ValueError(f"k must be in [1, {len(experts)}], got {k}")
         if not 0 <= k_min <= k:
@@ -175,6 +235,7 @@ class MixtureOfExperts(nn.Module):
         self.expert_stats = StatsBook(len(experts))
         self.norm_topk_prob = norm_topk_prob
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.grouped_mm = grouped_mm
 
     def stats(self) -> List[Dict[str, object]]:
         """Per-expert counts of calls, failures, timeouts, non-finite outputs,
@@ -207,6 +268,9 @@ class MixtureOfExperts(nn.Module):
             logits = logits + self.gate_noise * torch.randn_like(logits)
         routing = route(logits, self.k)
         aux_loss = self._aux_loss(logits, routing.top_experts, token_mask)
+        if self.grouped_mm:
+            return self._results(self._grouped(flat, logits, routing), flat, lead,
+                                 (self.in_features,), aux_loss, logits)
         active = [e for e, tokens in enumerate(routing.tokens) if len(tokens)]
         inputs = dispatch(flat, [routing.tokens[e] for e in active])
 
@@ -274,6 +338,14 @@ class MixtureOfExperts(nn.Module):
                 # No expert answered (allow_zero_outputs): keep the zeros in the
                 # graph, so that ``loss.backward()`` still works (zero gradients).
                 y = y + weights.sum().to(dtype) * 0
+        return self._results(y, flat, lead, out_shape, aux_loss, logits)
+
+    def _results(self, y: Tensor, flat: Tensor, lead: Sequence[int], out_shape: Sequence[int],
+                 aux_loss: Optional[Tensor], logits: Tensor
+                 ) -> Union[Tensor, Tuple[Tensor, ...]]:
+        """What the forward returns, from the routed experts' ``y`` (``[tokens,
+        *out_shape]``): the shared expert added, then the aux loss and the
+        router logits if asked."""
         if self.shared_expert is not None:
             y = y + self._shared(flat)
         results: List[Tensor] = [y.reshape(*lead, *out_shape)]
@@ -282,6 +354,32 @@ class MixtureOfExperts(nn.Module):
         if self.return_router_logits:
             results.append(logits)
         return results[0] if len(results) == 1 else tuple(results)
+
+    def _grouped(self, flat: Tensor, logits: Tensor, routing: Routing) -> Tensor:
+        """``grouped_mm=True``: the routed experts' ``[tokens, d]`` answer, in
+        two grouped GEMMs over the stacked weights of the experts that got
+        tokens (:func:`~moe_autograd.moe.grouped_experts`); every chosen expert
+        answers, so the weights are the softmax of the top-k logits (scaled as
+        ``norm_topk_prob`` says), as the other path's when nothing fails."""
+        num_experts = len(self.experts)
+        active = [e for e, tokens in enumerate(routing.tokens) if len(tokens)]
+        for e in active:
+            self.expert_stats.record(e, calls=1)
+        answered = torch.ones(routing.top_experts.shape, dtype=torch.bool, device=flat.device)
+        weights = combine_weights(routing.top_logits, answered)
+        if not self.norm_topk_prob:
+            weights = weights * torch.exp(routing.top_logits.logsumexp(-1, keepdim=True)
+                                          - logits.logsumexp(-1, keepdim=True))
+        if not active:
+            return no_answers(flat, weights)  # no tokens
+        # Only the experts with tokens are stacked (no empty group, no
+        # gradient for the others, as in the loop): their ids become 0..n-1.
+        stacked = stack_experts(list(self.experts), active)
+        position = torch.full((num_experts,), len(active), dtype=torch.long,
+                              device=routing.top_experts.device)
+        position[active] = torch.arange(len(active), device=position.device)
+        return grouped_experts(flat, position[routing.top_experts], weights, stacked.w_gate_up,
+                               stacked.w_down, act=stacked.act)
 
     def _decide(self, modules: Sequence[nn.Module]) -> Tuple[Decision, Optional[int]]:
         """The execution mode of this step's calls, and their lanes (None:
