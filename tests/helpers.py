@@ -81,6 +81,19 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 
+def params_of(modules: Sequence[Any]) -> List[Tensor]:
+    """The parameters of the modules among ``modules``, each once, in order."""
+    seen: set = set()
+    out: List[Tensor] = []
+    for m in modules:
+        if isinstance(m, nn.Module):
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append(p)
+    return out
+
+
 class MLP(nn.Module):
     """``fc2(tanh(fc1(x)))`` in float64, initialised from ``seed``."""
 

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.autograd import Function
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from helpers import MLP
+from helpers import MLP, params_of
 from moe_autograd import MixtureOfExperts, map_with_parallel_backward, parallel_apply
 from moe_autograd.moe import run_experts
 from moe_autograd.rng import CallRng
@@ -58,17 +58,6 @@ def _mlps(n: int, device: str, dtype: torch.dtype = DT) -> List[nn.Module]:
     return [MLP(d_in=4, hidden=8, d_out=4, seed=e).to(device=device, dtype=dtype)
             for e in range(n)]
 
-
-def _params(modules: Sequence[Any]) -> List[Tensor]:
-    seen: set = set()
-    out: List[Tensor] = []
-    for m in modules:
-        if isinstance(m, nn.Module):
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
 
 
 def _loss(outputs: Sequence[Tensor], seed: int = 0) -> Tensor:
@@ -164,8 +153,8 @@ def test_parallel_apply_equals_the_loop(device: str, mode: str) -> None:
     _assert_equal(_cpu(got_flat), _cpu(want_flat), "outputs")
     _loss(got_flat[:-1]).backward()  # the last call's output is unused
     _loss(want_flat[:-1]).backward()
-    got_grads = _grads(leaves + _params(owners))
-    want_grads = _grads(ref_leaves + _params(ref_owners))
+    got_grads = _grads(leaves + params_of(owners))
+    want_grads = _grads(ref_leaves + params_of(ref_owners))
     _assert_equal(got_grads, want_grads, "gradients")
     assert got_grads[2] is None and got_grads[3] is None  # z needs none, u's call is unused
     assert all(p.grad is None for p in mlps[3].parameters())
@@ -233,7 +222,7 @@ def _dropout_run(device: str, runner: Callable[[List[nn.Module], List[Tensor]], 
     torch.manual_seed(7)
     outs = runner(experts, xs)
     _loss(outs).backward()
-    return _cpu(outs) + _grads(xs + _params(experts))  # type: ignore[operator]
+    return _cpu(outs) + _grads(xs + params_of(experts))  # type: ignore[operator]
 
 
 @pytest.mark.timeout(120)
@@ -355,8 +344,8 @@ def test_run_experts_equals_the_transformers_loop(device: str, mode: str, checkp
     _assert_equal(_cpu([y]), _cpu([y_ref]), "y")
     _loss([y]).backward()
     _loss([y_ref]).backward()
-    got = _grads([x, weights] + _params(experts))
-    _assert_equal(got, _grads([xr, wr] + _params(ref)), "gradients")
+    got = _grads([x, weights] + params_of(experts))
+    _assert_equal(got, _grads([xr, wr] + params_of(ref)), "gradients")
     assert all(p.grad is None for p in experts[3].parameters())
 
 
@@ -388,7 +377,7 @@ def test_non_reentrant_checkpoint_frame_equals_the_loop_in_the_frame(
     _assert_equal(_cpu([got_loss]), _cpu([want_loss]), "loss")
     got_loss.backward()
     want_loss.backward()
-    _assert_equal(_grads([x] + _params(experts)), _grads([xr] + _params(ref)), "gradients")
+    _assert_equal(_grads([x] + params_of(experts)), _grads([xr] + params_of(ref)), "gradients")
 
 
 @pytest.mark.timeout(120)
@@ -429,7 +418,7 @@ def test_autocast_bfloat16_equals_the_loop_under_autocast(device: str, mode: str
     _assert_equal(_cpu(got), _cpu(want), "outputs")
     _loss(got).backward()
     _loss(want).backward()
-    _assert_equal(_grads([x] + _params(experts)), _grads([xr] + _params(ref)), "gradients")
+    _assert_equal(_grads([x] + params_of(experts)), _grads([xr] + params_of(ref)), "gradients")
 
 
 # -- per-call random streams --------------------------------------------------------------
@@ -463,7 +452,7 @@ def _rng_batch(device: str, runner: Callable[[List[nn.Module], List[Tensor]], Li
     _loss(outs).backward()
     if cuda_state is not None:  # the calls drew from private generators only
         assert torch.equal(torch.cuda.get_rng_state(0), cuda_state)
-    return _cpu(outs) + _grads(xs + _params(noisy)) + [torch.get_rng_state()]  # type: ignore[operator]
+    return _cpu(outs) + _grads(xs + params_of(noisy)) + [torch.get_rng_state()]  # type: ignore[operator]
 
 
 @pytest.mark.timeout(120)

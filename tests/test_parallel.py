@@ -14,7 +14,7 @@ from torch.autograd import Function
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.executor import DEFAULT_WORKERS
-from helpers import BackwardBarrier, Square, run_threads
+from helpers import BackwardBarrier, Square, params_of, run_threads
 
 DT = torch.float64
 
@@ -75,17 +75,6 @@ def assert_trees_close(got, want):
             close(a, b)
         else:
             assert a == b
-
-
-def params_of(modules):
-    seen, out = set(), []
-    for m in modules:
-        if isinstance(m, nn.Module):
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    out.append(p)
-    return out
 
 
 def check_against_sequential(make_modules, owners, make_inputs, kwargs=None, seed=0):
