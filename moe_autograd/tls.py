@@ -1,14 +1,13 @@
 """The thread-local state that a call carries from its caller to a worker.
 
 PyTorch keeps autocast, inference mode, saved-tensor hooks and the current
-CUDA streams per thread. A
-call that runs on a worker must see the same state as if it ran on the caller,
-otherwise an expert would silently compute in another precision (autocast),
-escape the user's saved-tensor hooks (offloading, memory accounting,
-non-reentrant checkpoint frames), or queue its kernels on a stream that does
-not wait for the caller's work (the caller's ``torch.cuda.stream``, or the
-stream the engine runs a node's backward on). The autograd engine does the same for its
-own threads.
+CUDA streams per thread. A call that runs on a worker must see the same state
+as if it ran on the caller, otherwise an expert would silently compute in
+another precision (autocast), escape the user's saved-tensor hooks
+(offloading, memory accounting, non-reentrant checkpoint frames), or queue its
+kernels on a stream that does not wait for the caller's work (the caller's
+``torch.cuda.stream``, or the stream the engine runs a node's backward on).
+The autograd engine does the same for its own threads.
 
 Invariants:
 

@@ -186,6 +186,18 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: c.function == "FDirty" and c.retain_grad and c.iterations > 1,
           ("forward",), ("unexpected_error",),
           witnesses=((1795467467, 101), (1795467467, 9586))),
+    Known("D27-frame-not-recomputed-for-checkpointed-calls",
+          "a non-reentrant checkpoint frame, checkpointed calls, and backward(inputs=...) / "
+          "autograd.grad that needs only them: the runtime's checkpointed calls recompute "
+          "themselves and pack nothing into the frame, so the frame never recomputes and "
+          "never meets its own check (an input of the frame, here one that another call "
+          "modified in place in its forward), which the loop's recomputation raises; the "
+          "runtime's gradients are those of the loop's forward",
+          lambda c: c.frame == "ckpt_nonreentrant" and _any_checkpointed(c)
+          and c.grad_method in ("backward_inputs", "autograd_grad")
+          and any("input_inplace" in s.stages for s in c.calls),
+          ("backward", "autograd_grad"), ("missing_error",),
+          witnesses=((1795680476, 2555),)),
     Known("D14-checkpoint-frame-around-stateful-calls",
           "a non-reentrant checkpoint frame around calls whose forward updates module state "
           "(BatchNorm, spectral_norm, a counter, self.aux): the frame's recomputation stops "
