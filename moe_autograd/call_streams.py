@@ -57,10 +57,12 @@ which :mod:`moe_autograd.tls` sets to the submitting thread's.
 import os
 import threading
 from contextlib import ExitStack, contextmanager
-from typing import Dict, Generator, Iterable, List, Optional, Sequence, Tuple
+from typing import ContextManager, Dict, Generator, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
+
+from .stream import record_stream, wait_stream
 
 __all__ = ["CALL_STREAMS", "cuda_devices", "record_ready", "call_streams", "hand_back",
            "StreamPairs", "Ready"]
@@ -135,19 +137,39 @@ def _record(tensors: Iterable[object], stream: torch.cuda.Stream) -> None:
     for t in tensors:
         if isinstance(t, Tensor) and t.is_cuda and t.device == stream.device \
                 and t.layout == torch.strided and t.untyped_storage().nbytes():
-            t.record_stream(stream)
+            record_stream(t, stream)
 
 
-@contextmanager
+class _OnCallersStreams:
+    """The context of a call with no streams of its own (the default): does
+    nothing, costs one attribute lookup (every call's forward and backward
+    passes through here)."""
+
+    def __enter__(self) -> StreamPairs:
+        return []
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_ON_CALLERS_STREAMS = _OnCallersStreams()
+
+
 def call_streams(devices: Sequence[torch.device], k: int, uses: Sequence[object] = (),
-                 ready: Optional[Ready] = None) -> Generator[StreamPairs, None, None]:
+                 ready: Optional[Ready] = None) -> ContextManager[StreamPairs]:
     """Runs the body on call ``k``'s streams of ``devices`` (see the module's
     table: enter), each first waiting for ``ready``'s event of its device (or,
     without one, for the current stream); ``uses`` are the tensors from the
-    caller it works on. Yields the stream pairs for :func:`hand_back`."""
+    caller it works on. Yields the stream pairs for :func:`hand_back`; with
+    no devices, on the caller's streams (an empty list)."""
     if not devices:
-        yield []
-        return
+        return _ON_CALLERS_STREAMS
+    return _on_call_streams(devices, k, uses, ready)
+
+
+@contextmanager
+def _on_call_streams(devices: Sequence[torch.device], k: int, uses: Sequence[object],
+                     ready: Optional[Ready]) -> Generator[StreamPairs, None, None]:
     pairs: StreamPairs = []
     with ExitStack() as stack:
         for device in devices:
@@ -158,7 +180,7 @@ def call_streams(devices: Sequence[torch.device], k: int, uses: Sequence[object]
                 if event is not None:
                     own.wait_event(event)
                 else:
-                    own.wait_stream(caller)
+                    wait_stream(own, caller)
                 _record(uses, own)
             pairs.append((caller, own))
             stack.enter_context(torch.cuda.stream(own))
@@ -173,5 +195,5 @@ def hand_back(pairs: StreamPairs, tensors: Iterable[object]) -> None:
     tensors = list(tensors)
     for caller, own in pairs:
         if own != caller:
-            caller.wait_stream(own)
+            wait_stream(caller, own)
             _record(tensors, caller)

@@ -349,7 +349,8 @@ class ModuleCall(IsolatedCall):
         (see :mod:`moe_autograd.call_streams`); fills ``outputs``."""
         with call_streams(self.cuda_devices, self.index, self._leaves or (), self.ready) as pairs:
             attrs = self._forward()
-        hand_back(pairs, [*self.outputs, *attrs])
+        if pairs:
+            hand_back(pairs, [*self.outputs, *attrs])
         return self
 
     def _forward(self) -> List[Tensor]:
@@ -654,7 +655,8 @@ class ModuleCall(IsolatedCall):
             with call_streams(self.cuda_devices, self.index, grad_outputs,
                               self._backward_ready) as pairs:
                 grads = self._backward(grad_outputs)
-            hand_back(pairs, grads)
+            if pairs:
+                hand_back(pairs, grads)
             return grads
         finally:
             self._in_backward -= 1
