@@ -570,8 +570,9 @@ def _iteration(world: World, log: Log, it: int) -> None:
     _backward(world, log, tag, loss, saved)
     log.add(f"{tag}.grads", grads(world))
     if case.retain_grad:
-        log.add(f"{tag}.retained", [fp(t.grad) if t.requires_grad and not t.is_leaf else None
-                                    for t in outputs])
+        log.add(f"{tag}.retained", [
+            _safe(lambda t=t: fp(t.grad) if t.requires_grad and not t.is_leaf else None)
+            for t in outputs])
     log.add(f"{tag}.fn_log.backward", sorted(map(repr, world.fn_log)))
     if case.second_backward:
         _step(log, f"{tag}.backward2", lambda: loss.backward())
