@@ -1,4 +1,4 @@
-"""``python -m moe_autograd {demo,bench,serve} [ARGS...]``.
+"""``python -m moe_autograd {demo,bench,serve,secret} [ARGS...]``.
 
 Each subcommand's module is imported only when it is chosen, and receives the
 remaining arguments (so ``python -m moe_autograd bench -h`` is bench's help);
@@ -13,7 +13,8 @@ from typing import Callable, Optional, Sequence
 COMMANDS = {
     "demo": "a short tour of the runtime",
     "bench": "baseline vs moe_autograd benchmarks (see BENCHMARKS.md)",
-    "serve": "serve experts to remote callers",
+    "serve": "serve experts to the members of a job (torch RPC or Ray)",
+    "secret": "create a job secret file for remote experts",
 }
 
 
@@ -22,6 +23,8 @@ def _entry(command: str, args: Sequence[str]) -> Callable[[Sequence[str]], Optio
         from .bench import main
     elif command == "serve":
         from .remote.cli import main
+    elif command == "secret":
+        from .remote.cli import secret_main as main
     elif "--elastic" in args:  # demo --elastic [--engine ray]: no demo imports another
         from .demo_elastic import main
     else:

@@ -1,4 +1,4 @@
-"""``serve_batch`` / ``serve_collect``: the calls of one client's pass in one request.
+"""``batch`` / ``collect``: the calls of one client's pass in one request.
 
 Why: a pass of ``parallel_apply``, ``map_with_parallel_backward`` or a
 ``MixtureOfExperts`` sends all its calls to one server as ONE request (see
@@ -6,14 +6,16 @@ Why: a pass of ``parallel_apply``, ``map_with_parallel_backward`` or a
 about a millisecond of CPU over both ends on loopback) are paid once per
 server and pass instead of once per call.
 
-What a request holds: ``jobs``, each ``(op, args, answer_by)`` where ``op`` is
-``"forward"`` or ``"backward"``, ``args`` exactly what :func:`serve_forward` /
-:func:`serve_backward` take, and ``answer_by`` the seconds after which the
-client no longer waits for the call (its own deadline, or its pass's if
-sooner, e.g. a ``MixtureOfExperts``' ``forward_timeout``; ``None``: none).
-Each job runs as that single-call request would, through the same function:
-the same checks (owner and 128-bit call id, quotas, backward validated before
-its state is taken), the same errors naming the expert, the same state rules.
+What a request holds (``{"op": "batch", "batch": id, "jobs": [...]}``):
+``jobs``, each the dict a single ``forward`` or ``backward`` request would be
+(:func:`~moe_autograd.remote.server.run_job`) plus ``answer_by``, the
+seconds after which the client no longer waits for the call (its own
+deadline, or its pass's if sooner, e.g. a ``MixtureOfExperts``'
+``forward_timeout``; ``None``: none). Each job runs as that single-call
+request would, through the same function: the same checks (owner and 128-bit
+call id, quotas, backward validated before its state is taken), the same
+errors naming the expert, the same state rules. The owner of a batch and of
+its calls is the authenticated session that sent it (:class:`~.auth.Caller`).
 A failing job fails only itself. The byte limit bounds the whole request,
 before any job is queued: a server's jobs are admitted in order while their
 tensors together fit its ``max_request_bytes`` (see
@@ -28,7 +30,7 @@ ready, the request waits at most ``max(LINGER_MIN_S, LINGER_SHARE x`` the
 time the first of them took``)`` more, and never past a ready job's
 ``answer_by`` (less :data:`MARGIN_S`, for the way back); then it replies with
 the ready answers, keeps the batch, and the client asks for the rest with
-``serve_collect``, which waits the same way. So a fast call keeps its own
+``collect``, which waits the same way. So a fast call keeps its own
 deadline (and its place in a ``MixtureOfExperts`` quorum) whatever its
 siblings do, and a request with no straggler costs one message each way.
 
@@ -36,17 +38,17 @@ Lifecycle of a batch::
 
     event                                 what happens
     ------------------------------------  --------------------------------------------
-    serve_batch (owner, batch id, jobs)   validated (a malformed request is refused as
+    batch (owner, batch id, jobs)         validated (a malformed request is refused as
                                           a whole); jobs past the byte limit answered with
                                           their error; the others queued on the pool
     all jobs answered                     one reply with every answer; batch forgotten
     linger over, some jobs still running  reply with the ready answers, ``more=True``;
                                           batch kept (by owner and id) for collection
-    serve_collect from its owner          waits as above for the remaining answers: it
+    collect from its owner                waits as above for the remaining answers: it
                                           replies only with a new answer, or at give-up
     every job's answer_by passed (give-   reply with what is ready, ``more=False``: batch
     up): the client waits for none        dropped (answers finishing later are discarded)
-    serve_collect from another worker,    ("error", ...): unknown batch; nothing changes
+    collect from another session,         ["error", ...]: unknown batch; nothing changes
     or for an unknown / dropped batch
     kept, no collect by the give-up (or   dropped at the next request or count (the
     for BATCH_TTL_S, if a job has none)   client gave up on its calls)
@@ -54,9 +56,8 @@ Lifecycle of a batch::
 
 Invariants:
 
-* ``serve_batch`` / ``serve_collect`` never raise: an error is an
-  ``("error", text)`` reply; each job's answer is the ``Reply`` its
-  single-call function gives.
+* ``batch`` / ``collect`` never raise: an error is an ``["error", text]``
+  reply; each job's answer is the reply its single-call request would get.
 * What one client keeps here is bounded (:data:`MAX_KEPT_PER_OWNER` batches,
   each at most :data:`MAX_JOBS` answers, for at most :data:`BATCH_TTL_S`
   after its last reply, and never past the give-up: a client whose calls
@@ -72,15 +73,17 @@ import numbers
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..executor import get_pool
-from .server import admit_request, serve_backward, serve_forward
+from . import endpoint
+from .auth import Caller
+from .endpoint import Reply, error_text
+from .server import admit_request, run_job
 
-__all__ = ["serve_batch", "serve_collect", "kept_batches", "MAX_JOBS", "LINGER_MIN_S", "LINGER_SHARE",
-           "MARGIN_S", "BATCH_TTL_S", "MAX_KEPT_PER_OWNER"]
+__all__ = ["kept_batches", "MAX_JOBS", "LINGER_MIN_S", "LINGER_SHARE", "MARGIN_S",
+           "BATCH_TTL_S", "MAX_KEPT_PER_OWNER"]
 
-Reply = Tuple[str, Any]
 MAX_JOBS = 4096          # calls in one request
 LINGER_MIN_S = 0.01      # an answer waits at least this long for its siblings...
 LINGER_SHARE = 1.0       # ...or this share of the time it took, whichever is longer
@@ -88,7 +91,6 @@ MARGIN_S = 0.005         # a ready answer leaves this long before its call's dea
 BATCH_TTL_S = 60.0       # a partly answered batch waits this long for a collect
 MAX_KEPT_PER_OWNER = 64  # partly answered batches kept per client
 _MAX_ID_CHARS = 256
-_JOBS: Dict[str, Callable[..., Reply]] = {"forward": serve_forward, "backward": serve_backward}
 
 
 def _ident(what: str, value: Any) -> str:
@@ -106,18 +108,6 @@ def _answer_by(value: Any) -> Optional[float]:
     if not (math.isfinite(seconds) and seconds > 0):
         raise TypeError(f"a job's answer_by must be None or positive seconds, got {value!r:.40}")
     return seconds
-
-
-def _run_job(op: str, args: Any, owner: str) -> Reply:
-    try:
-        if not isinstance(args, (tuple, list)) or len(args) < 2:
-            raise TypeError(f"a {op} job's arguments must be a tuple, got {args!r:.80}")
-        if args[1] != owner:
-            raise PermissionError(f"a job of worker {args[1]!r:.80} in a request of worker "
-                                  f"{owner!r}: a request carries its own client's calls only")
-        return _JOBS[op](*args)
-    except Exception as error:  # noqa: BLE001 - the job's own error reply
-        return "error", f"{type(error).__name__}: {error}"
 
 
 class _Batch:
@@ -223,58 +213,60 @@ def _answer(owner: str, batch_id: str, batch: _Batch) -> Reply:
     answers, more = batch.reply()
     if more:
         _keep(owner, batch_id, batch)
-    return "ok", (answers, more)
+    return ["ok", [answers, more]]
 
 
-def serve_batch(owner: str, batch_id: str, jobs: Sequence[Any]) -> Reply:
-    """``("ok", (answers, more))``: one ``Reply`` per job (None for a job still
-    running: collect it with :func:`serve_collect`), ``more`` if any is."""
+def _batch_op(caller: Caller, request: Dict[str, Any]) -> Reply:
+    """``["ok", [answers, more]]``: one reply per job (None for a job still
+    running: collect it with ``collect``), ``more`` if any is."""
+    owner = caller.owner
     try:
-        owner, batch_id = _ident("the client's worker name", owner), _ident("batch id", batch_id)
-        if not isinstance(jobs, (list, tuple)) or not 0 < len(jobs) <= MAX_JOBS:
+        batch_id = _ident("batch id", request.get("batch"))
+        jobs = request.get("jobs")
+        if not isinstance(jobs, list) or not 0 < len(jobs) <= MAX_JOBS:
             raise TypeError(f"jobs must be a list of 1 to {MAX_JOBS} jobs, got "
                             f"{type(jobs).__name__}")
-        parsed: List[Tuple[str, Any, Optional[float]]] = []
+        limits = []
         for job in jobs:
-            if not (isinstance(job, (list, tuple)) and len(job) == 3 and job[0] in _JOBS):
-                raise TypeError(f"a job must be (op, args, answer_by) with op in {sorted(_JOBS)}, "
-                                f"got {job!r:.80}")
-            parsed.append((job[0], job[1], _answer_by(job[2])))
+            if not isinstance(job, dict):
+                raise TypeError(f"a job must be a dict, got {type(job).__name__}")
+            limits.append(_answer_by(job.get("answer_by")))
         with _kept_lock:
             _sweep_locked(time.monotonic())
             if (owner, batch_id) in _kept:
                 raise ValueError(f"batch id {batch_id!r} is in use: batch ids must be unique")
     except Exception as error:  # noqa: BLE001 - a request must never harm the server
-        return "error", f"{type(error).__name__}: {error}"
-    batch = _Batch([a for _, _, a in parsed])
+        return ["error", error_text(error)]
+    batch = _Batch(limits)
     # The byte limit bounds the whole request: what does not fit is refused
     # before anything runs (see server.admit_request).
-    refused = admit_request([(op, args) for op, args, _ in parsed])
+    refused = admit_request(caller, jobs)
 
-    def task(i: int, op: str, args: Any) -> Callable[[], None]:
-        return lambda: batch.finish(i, _run_job(op, args, owner))
+    def task(i: int, job: Any) -> Callable[[], None]:
+        return lambda: batch.finish(i, run_job(caller, job))
     for i, text in enumerate(refused):
         if text is not None:
-            batch.finish(i, ("error", text))
-    tasks = [task(i, op, args) for i, (op, args, _) in enumerate(parsed) if refused[i] is None]
+            batch.finish(i, ["error", text])
+    tasks = [task(i, job) for i, job in enumerate(jobs) if refused[i] is None]
     if tasks:
         get_pool().submit(tasks)
     return _answer(owner, batch_id, batch)
 
 
-def serve_collect(owner: str, batch_id: str) -> Reply:
-    """The answers of a batch that :func:`serve_batch` (or an earlier
-    collect) left running, as ``serve_batch`` replies."""
+def _collect_op(caller: Caller, request: Dict[str, Any]) -> Reply:
+    """The answers of a batch that ``batch`` (or an earlier collect) left
+    running, as ``batch`` replies."""
+    owner = caller.owner
     try:
-        key = (_ident("the client's worker name", owner), _ident("batch id", batch_id))
+        batch_id = _ident("batch id", request.get("batch"))
         with _kept_lock:
             _sweep_locked(time.monotonic())
-            batch = _kept.pop(key, None)
+            batch = _kept.pop((owner, batch_id), None)
         if batch is None:
-            raise LookupError(f"unknown batch {batch_id!r} of worker {owner!r} (answered "
+            raise LookupError(f"unknown batch {batch_id!r} of this client (answered "
                               f"already, or dropped after {BATCH_TTL_S:g} s without a collect)")
     except Exception as error:  # noqa: BLE001
-        return "error", f"{type(error).__name__}: {error}"
+        return ["error", error_text(error)]
     return _answer(owner, batch_id, batch)
 
 
@@ -283,3 +275,7 @@ def kept_batches() -> int:
     with _kept_lock:
         _sweep_locked(time.monotonic())
         return len(_kept)
+
+
+endpoint.register("batch", _batch_op)
+endpoint.register("collect", _collect_op)

@@ -7,18 +7,20 @@ and hand back. Here the calls of one pass (a ``parallel_apply``, a
 ``map_with_parallel_backward``, a ``MixtureOfExperts`` step; forward, and
 again backward) are gathered by the runtime's collector hook (see
 :mod:`moe_autograd.collect`), grouped by server into ONE request each
-(:mod:`.batch_server` runs its calls concurrently there), sent asynchronously
-through the transport seam, and completed from the transport's callbacks: no
-thread waits per call, the caller alone waits on its batch. Everything here
-sits above :class:`~moe_autograd.remote.transport.Transport` (``call`` plus
-the optional ``add_done_callback``), so another engine plugs in unchanged.
+(:mod:`.batch_server` runs its calls concurrently there), sealed and sent
+asynchronously through :mod:`.channel` and the transport seam, and completed
+from the transport's callbacks: no thread waits per call, the caller alone
+waits on its batch. Everything here sits above
+:class:`~moe_autograd.remote.transport.Transport` (``call`` plus the
+optional ``add_done_callback``), so another engine plugs in unchanged, and
+imports nothing of the server's side.
 
 Pieces:
 
 * :class:`Job`: one call's part of a request (the single-call request it
   stands for, its deadline, how to read its answer). :class:`RemoteExpert`
   builds them; :func:`run_sync` runs one alone (a call outside a pass).
-* :func:`send`: groups jobs by (transport, worker) into :class:`_Request` s.
+* :func:`send`: groups jobs by (transport, worker, secret) into :class:`_Request` s.
 * the deadline watcher: ONE daemon thread ends every job whose deadline
   passes (``forward_timeout``/``backward_timeout``, or the transport's own
   timeout for a job without one).
@@ -35,11 +37,12 @@ Lifecycle of one job in a request::
     open    its deadline passes (the watcher), or     abandoned (a stateful forward's state
             its answer arrives after it               released) -> RemoteTimeoutError
     open    the message cannot be sent / fails        RemoteExpertError (RemoteTimeoutError
-            (peer dead, timeout, malformed reply)     for a timeout, which also abandons)
+            (peer dead, timeout, malformed reply,     for a timeout, which also abandons;
+            refused, a reply failing authentication)  RemoteAuthError for a refusal)
     open    a reply says the server dropped the       as its deadline passing (the server
             batch (``more`` false, no answer)         does so only once every job's passed)
     ended   anything                                  ignored: a late answer is dropped
-    (request) a reply says ``more`` and a job is      one ``serve_collect`` for the rest
+    (request) a reply says ``more`` and a job is      one ``collect`` for the rest
               open
 
 A job's deadline is when its caller stops waiting for it: its own
@@ -55,8 +58,8 @@ collect loop never spins; issue 18).
 Invariants:
 
 * Per call, everything of a single-call request holds: the server runs each
-  job through ``serve_forward``/``serve_backward`` (owner, 128-bit id, byte
-  caps, quotas, validation before a state is taken), every error names the
+  job as it runs a single ``forward``/``backward`` request (owner, 128-bit
+  id, byte caps, quotas, validation before a state is taken), every error names the
   call's worker and expert, each call keeps its own deadline (a ready answer
   is not held back by a slower sibling, see :mod:`.batch_server`), and a
   failing call fails only itself. Byte limits are the exception: they bound
@@ -83,10 +86,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..autograd import EmulatedAutogradContext
 from ..module_call import ModuleCall
 from ..rng import CallRng
-from .batch_server import serve_batch, serve_collect
+from .auth import JobSecret
+from .channel import request as send_request
 from .deadlines import DeadlineWatch, per_process
-from .errors import RemoteExpertError, RemoteTimeoutError
-from .server import OPS
+from .errors import RemoteAuthError, RemoteExpertError, RemoteTimeoutError
 from .transport import (Transport, TransportError, TransportSendError, TransportTimeout,
                         when_done)
 
@@ -98,28 +101,34 @@ _log = logging.getLogger(__name__)
 
 
 class Job:
-    """One call's part of a request: ``OPS[op](*args)`` on ``worker``.
+    """One call's part of a request: the message ``message`` (a dict whose
+    ``"op"`` names the server's operation) to ``worker``, sealed with
+    ``secret`` (None: the job's default).
 
     ``timeout`` is the call's own deadline in seconds (None: the transport's
     timeout); ``where()`` names the call in errors (``forward of expert 'e' on
     worker 'w'``) and ``limit()`` the transport's timeout; ``decode(value)``
-    turns the server's ``("ok", value)`` into the call's result (raising
+    turns the server's ``["ok", value]`` into the call's result (raising
     :class:`RemoteExpertError` if malformed); ``abandon()``, if set, runs when
     the caller gives up on the call (deadline, Ctrl-C)."""
 
-    __slots__ = ("transport", "worker", "op", "args", "timeout", "where", "limit", "decode",
-                 "abandon", "answer_by")
+    __slots__ = ("transport", "worker", "message", "timeout", "where", "limit", "decode",
+                 "abandon", "answer_by", "secret")
 
-    def __init__(self, transport: Transport, worker: str, op: str, args: Tuple[Any, ...],
+    def __init__(self, transport: Transport, worker: str, message: Dict[str, Any],
                  timeout: Optional[float], where: Callable[[], str], limit: Callable[[], str],
-                 decode: Callable[[Any], Any],
-                 abandon: Optional[Callable[[], None]] = None) -> None:
-        self.transport, self.worker, self.op, self.args = transport, worker, op, args
+                 decode: Callable[[Any], Any], abandon: Optional[Callable[[], None]] = None,
+                 secret: Optional[JobSecret] = None) -> None:
+        self.transport, self.worker, self.message = transport, worker, message
         self.timeout, self.where, self.limit = timeout, where, limit
-        self.decode, self.abandon = decode, abandon
+        self.decode, self.abandon, self.secret = decode, abandon, secret
         #: When the caller needs the answer (its deadline, or the pass's if
         #: sooner): the server holds no ready answer back past it.
         self.answer_by = timeout
+
+    @property
+    def op(self) -> str:
+        return str(self.message.get("op", ""))
 
     def _deadline_text(self) -> str:
         return f"its {self.timeout:g} s deadline" if self.timeout is not None else self.limit()
@@ -127,6 +136,10 @@ class Job:
     def failure(self, error: BaseException) -> RemoteExpertError:
         """The error of this call when its message failed with ``error``."""
         where = self.where()
+        if isinstance(error, RemoteAuthError):
+            return RemoteAuthError(f"{where} was refused: {error}")
+        if isinstance(error, RemoteExpertError):
+            return error
         if isinstance(error, TransportSendError):
             return RemoteExpertError(f"{where} could not be sent: {error}")
         if isinstance(error, TransportTimeout):
@@ -135,7 +148,7 @@ class Job:
 
     def outcome(self, reply: Any) -> Any:
         """The call's result from its ``Reply``; raises its error."""
-        if not (isinstance(reply, tuple) and len(reply) == 2):
+        if not (isinstance(reply, list) and len(reply) == 2):
             raise RemoteExpertError(f"{self.where()} got a malformed reply: {reply!r:.200}")
         status, value = reply
         if status != "ok":
@@ -150,13 +163,14 @@ def run_sync(job: Job) -> Any:
     resolution, e.g. whole milliseconds for TensorPipe)."""
     start = time.monotonic()
     try:
-        pending = job.transport.call(job.worker, OPS[job.op], job.args, job.timeout)
+        pending = send_request(job.transport, job.worker, job.message, job.timeout,
+                               secret=job.secret, label=job.op)
         reply = pending.result(None if job.timeout is None
                                else max(0.0, start + job.timeout - time.monotonic()))
         if job.timeout is not None and time.monotonic() - start > job.timeout:
             raise TransportTimeout(f"the reply came after {time.monotonic() - start:.6f} s "
                                    "and was dropped")
-    except TransportError as error:
+    except (TransportError, RemoteAuthError) as error:
         failure = job.failure(error)
         if isinstance(failure, RemoteTimeoutError) and job.abandon is not None:
             job.abandon()
@@ -224,12 +238,11 @@ class _Request:
         for deadline, ks in due.items():
             _watch().add(deadline, self, tuple(ks))
         if self.batch_id is None:
-            job = self.jobs[0]
-            self._call(OPS[job.op], job.args)
+            self._call(self.jobs[0].message)
         else:
-            owner = self.jobs[0].args[1]
-            self._call(serve_batch, (owner, self.batch_id,
-                                     [(job.op, job.args, job.answer_by) for job in self.jobs]))
+            self._call({"op": "batch", "batch": self.batch_id,
+                        "jobs": [dict(job.message, answer_by=job.answer_by)
+                                 for job in self.jobs]})
 
     def _timeout(self) -> Optional[float]:
         """The message's own timeout: until the last open job's deadline
@@ -240,12 +253,16 @@ class _Request:
             return None
         return max(0.001, max(deadlines) - time.monotonic() + GRACE_S)  # type: ignore[type-var, operator]
 
-    def _call(self, fn: Callable[..., Any], args: Tuple[Any, ...]) -> None:
+    def _call(self, message: Dict[str, Any]) -> None:
         timeout = self._timeout()
+        first = self.jobs[0]
+        op = message["op"]
         try:
-            pending = self.transport.call(self.worker, fn, args, timeout)
+            pending = send_request(self.transport, self.worker, message, timeout,
+                                   secret=first.secret,
+                                   label=op if op == first.op else f"{op}:{first.op}")
         except Exception as error:  # noqa: BLE001 - the calls fail, the caller goes on
-            self._fail(error if isinstance(error, TransportError)
+            self._fail(error if isinstance(error, (TransportError, RemoteExpertError))
                        else TransportSendError(f"{type(error).__name__}: {error}"))
             return
         when_done(pending, self._on_reply, None if timeout is None else timeout + GRACE_S)
@@ -286,7 +303,7 @@ class _Request:
             if not self._end(k):
                 continue
             job = self.jobs[k]
-            failure = error if isinstance(error, RemoteExpertError) else job.failure(error)
+            failure = job.failure(error)
             if isinstance(failure, RemoteTimeoutError) and job.abandon is not None:
                 job.abandon()
             self._deliver(k, None, failure)
@@ -304,14 +321,14 @@ class _Request:
             self._answer(0, reply)
             return
         n = len(self.jobs)
-        if not (isinstance(reply, tuple) and len(reply) == 2):
+        if not (isinstance(reply, list) and len(reply) == 2):
             self._fail_each(lambda job: f"{job.where()} got a malformed reply: {reply!r:.200}")
             return
         status, value = reply
         if status != "ok":
             self._fail_each(lambda job: f"{job.where()} failed on the server: {value}")
             return
-        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], list)
+        if not (isinstance(value, list) and len(value) == 2 and isinstance(value[0], list)
                 and len(value[0]) == n):
             self._fail_each(lambda job: f"{job.where()} got a malformed reply: {value!r:.200}")
             return
@@ -322,7 +339,7 @@ class _Request:
         if not any(self.open):
             return
         if more:
-            self._call(serve_collect, (self.jobs[0].args[1], self.batch_id))
+            self._call({"op": "collect", "batch": self.batch_id})
             return
         # The server dropped the batch: every open job's answer_by passed there.
         for k in range(n):
@@ -349,22 +366,22 @@ class _Request:
 
 
 def send(jobs: Sequence[Job], done: Done, deadline: Optional[float] = None) -> None:
-    """Sends ``jobs`` as one request per (transport, worker); ``done(i, value,
+    """Sends ``jobs`` as one request per (transport, worker, secret); ``done(i, value,
     error)`` completes ``jobs[i]``, once, from the transport's or the
     watcher's thread (or from here, for a request that cannot be sent).
     ``deadline``: when the caller stops waiting for all of them."""
-    groups: Dict[Tuple[int, str], List[int]] = {}
+    groups: Dict[Tuple[int, str, int], List[int]] = {}
     for i, job in enumerate(jobs):
         if deadline is not None and (job.answer_by is None or deadline < job.answer_by):
             job.answer_by = deadline
-        groups.setdefault((id(job.transport), job.worker), []).append(i)
+        groups.setdefault((id(job.transport), job.worker, id(job.secret)), []).append(i)
     for slots in groups.values():
         _Request([jobs[i] for i in slots], slots, done).send()
 
 
 # -- the records of a pass, and the runtime's collector -------------------------------
-def _peer(expert: Any) -> Tuple[int, str]:
-    return id(expert.transport), expert.worker
+def _peer(expert: Any) -> Tuple[int, str, int]:
+    return id(expert.transport), expert.worker, id(expert.secret)
 
 
 def _pipelined(n: int, peer: Callable[[int], Any], make: Callable[[int], Any], finish: Done,

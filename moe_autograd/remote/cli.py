@@ -18,44 +18,41 @@ fresh rank from the store, publishes its experts by name, and on SIGINT/
 SIGTERM or the coordinator's stop leaves cleanly (unpublish, finish calls in
 flight and held states within ``--drain-timeout``, then leave the world).
 
-Ray (``--engine ray``, see :mod:`.ray_backend`): the process connects to the
-running Ray cluster at ``--address HOST:PORT`` (its head's GCS; token
-authentication as configured for the cluster, e.g. ``RAY_AUTH_TOKEN``),
-starts the experts as a named actor (``--name``, in ``--namespace``) on this
-node (``--anywhere``: wherever Ray places it; ``--resources``, ``--num-gpus``
-for placement), serves until SIGINT/SIGTERM, then drains the actor (a
-:class:`~.ray_fleet.RayFleet` stops choosing it; calls in flight and held
-states get ``--drain-timeout`` seconds) and ends it. The actor belongs to
-this process: if the process dies (kill -9, its node lost), Ray ends the
-actor too, and clients see a dead server. No rank, world size or store.
+Ray (``--engine ray``, see :mod:`.ray_server`): the process connects to the
+running Ray cluster at ``--address HOST:PORT`` (its head's GCS; it must run
+with token authentication, ``RAY_AUTH_MODE=token`` and the cluster's token,
+unless ``--insecure``), starts the experts as a named actor (``--name``, in
+``--namespace``) on this node (``--anywhere``: wherever Ray places it;
+``--resources``, ``--num-gpus`` for placement), serves until SIGINT/SIGTERM,
+then drains the actor (a :class:`~.ray_fleet.RayFleet` stops choosing it;
+calls in flight and held states get ``--drain-timeout`` seconds) and ends
+it. The actor belongs to this process: if the process dies (kill -9, its
+node lost), Ray ends the actor too, and clients see a dead server. No rank,
+world size or store.
+
+The job's secret comes from ``--secret-file`` or ``MOE_AUTOGRAD_SECRET_FILE``
+(or ``MOE_AUTOGRAD_SECRET``, hex), never from the command line itself;
+``python -m moe_autograd secret --out job.secret`` makes one (mode 600).
 
 Invariant: the process exits with status 0 after a signal or the world's end,
-and 2 on bad arguments (argparse); with ``--join``, 75 if it could not join
-(start it again) and 3 if it was evicted (reaped while stopped).
+and 2 on bad arguments (argparse, or no usable secret, or a Ray without token
+authentication); with ``--join``, 75 if it could not join (start it again)
+and 3 if it was evicted (reaped while stopped).
 """
 import argparse
-import importlib
 import os
 import signal
 import sys
 import threading
-from typing import Any, List, Mapping, Optional, Sequence
+from typing import List, Mapping, Optional, Sequence
 
-__all__ = ["main", "load_object", "build_parser"]
+from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
+from .factory import load_object
+
+__all__ = ["main", "secret_main", "load_object", "build_parser"]
 
 MiB = 1 << 20
 NON_FINITE_POLICIES = ("skip", "raise")  # as ExpertServer's (not imported: keeps --help light)
-
-
-def load_object(path: str) -> Any:
-    """Imports ``package.module:attribute``."""
-    module_name, sep, attribute = path.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"expected 'package.module:function', got {path!r}")
-    obj: Any = importlib.import_module(module_name)
-    for part in attribute.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _bytes_or_none(text: str) -> Optional[int]:
@@ -68,15 +65,24 @@ def _env_int(name: str) -> Optional[int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m moe_autograd serve",
-                                description="Serve experts over torch.distributed.rpc.")
+    p = argparse.ArgumentParser(
+        prog="python -m moe_autograd serve",
+        description="Serve experts to the members of a job, over torch RPC (a static world, "
+                    "or --join an elastic fleet's) or Ray (--engine ray). Every request must "
+                    "be sealed with the job's secret (--secret-file).")
     p.add_argument("--experts", required=True, metavar="MODULE:FUNCTION",
                    help="factory returning a dict name -> nn.Module")
+    p.add_argument("--secret-file", metavar="PATH", default=os.environ.get(ENV_SECRET_FILE),
+                   help="the job's secret (mode 600; default: $MOE_AUTOGRAD_SECRET_FILE, else "
+                        "$MOE_AUTOGRAD_SECRET in hex); make one with 'python -m moe_autograd "
+                        "secret --out job.secret'")
     p.add_argument("--name", help="this worker's RPC name (default: expert-server-<rank>)")
     p.add_argument("--rank", type=int, default=_env_int("RANK"), help="default: $RANK")
     p.add_argument("--world-size", type=int, default=_env_int("WORLD_SIZE"),
                    help="default: $WORLD_SIZE; omit both for a dynamic world")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="the world's store (default: $MASTER_ADDR, else 127.0.0.1); RPC listens "
+                        "on the interface that faces it (loopback for 127.0.0.1)")
     p.add_argument("--master-port", type=int, default=_env_int("MASTER_PORT") or 29500)
     p.add_argument("--backward", choices=("stateless", "stateful"), default="stateless")
     p.add_argument("--optimizer", metavar="MODULE:FUNCTION",
@@ -118,10 +124,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anywhere", action="store_true",
                    help="with --engine ray: let Ray place the actor on any node that fits "
                         "(default: this node)")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --engine ray: serve although the cluster runs without token "
+                        "authentication (anyone who reaches its ports can then run code in it)")
     p.add_argument("--join", action="store_true",
                    help="join a running elastic world (a Fleet's) by its store at "
                         "--master-addr:--master-port; no --rank/--world-size")
     return p
+
+
+def _secret(args: argparse.Namespace) -> JobSecret:
+    """The job's secret from ``--secret-file`` or the environment; exits 2
+    with what to do if there is none."""
+    try:
+        secret = JobSecret.from_file(args.secret_file) if args.secret_file else job_secret()
+    except (MissingSecretError, PermissionError, ValueError) as error:
+        build_parser().error(str(error))
+    set_job_secret(secret)
+    return secret
 
 
 def _log(message: str) -> None:
@@ -154,8 +174,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return _serve_on_ray(args)
     if args.rank is None and not args.join:
         build_parser().error("--rank (or $RANK) is required (or --join)")
+    secret = _secret(args)
     from torch.distributed import rpc
 
+    from .rpc_bind import start_rpc
     from .server import ExpertServer
 
     experts = load_object(args.experts)()
@@ -173,14 +195,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           max_states_per_client=args.max_states_per_client,
                           max_state_bytes=args.max_state_bytes,
                           max_request_bytes=args.max_request_bytes,
-                          non_finite_grads=args.non_finite_grads,
+                          non_finite_grads=args.non_finite_grads, secret=secret,
                           )  # before init_rpc: no request finds it missing
     if args.join:
-        from .fleet import default_name, serve_joined
+        from .elastic import default_name, serve_joined
 
         return serve_joined(server, args.name or default_name(), options,
                             drain_timeout=args.drain_timeout, log=_log)
-    rpc.init_rpc(name, rank=args.rank, world_size=args.world_size, rpc_backend_options=options)
+    start_rpc(name, args.rank, args.world_size, options)
     stop, world_done = threading.Event(), threading.Event()
     if threading.current_thread() is threading.main_thread():  # (a signal during init_rpc kills)
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -209,7 +231,10 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
 
     import ray
 
-    from .ray_backend import RayExpertServer
+    from .ray_engine import RayAuthError, require_token_auth
+    from .ray_server import RayExpertServer
+
+    _secret(args)
 
     resources = None
     if args.resources:
@@ -224,8 +249,27 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     name = args.name or f"expert-server-{os.getpid()}"
     # The actor's process must import the experts factory as this one does.
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-    ray.init(address=address, namespace=args.namespace, log_to_driver=False,
-             configure_logging=False)
+    try:
+        ray.init(address=address, namespace=args.namespace, log_to_driver=False,
+                 configure_logging=False)
+    except Exception as error:  # noqa: BLE001 - no cluster, or its token refused us
+        from .ray_engine import TOKEN_HELP
+
+        _log(f"cannot connect to the Ray cluster at {address!r}: {type(error).__name__}: "
+             f"{str(error).strip().splitlines()[0][:300]}")
+        if "auth" in f"{type(error).__name__} {error}".lower():
+            _log("the cluster requires its token: set RAY_AUTH_MODE=token and "
+                 "RAY_AUTH_TOKEN_PATH=<the cluster's token file> (mode 600) in this "
+                 "process's environment")
+        else:
+            _log(TOKEN_HELP)
+        return 75
+    try:
+        require_token_auth(args.insecure, "serve --engine ray")
+    except RayAuthError as error:
+        _log(str(error))
+        ray.shutdown()
+        return 2
     stop = threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -237,6 +281,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             max_concurrency=args.num_worker_threads, num_gpus=args.num_gpus,
             resources=resources, on_node=None if args.anywhere else "here",
             runtime_env={"env_vars": {"PYTHONPATH": path}},
+            secret_file=args.secret_file, allow_unauthenticated=args.insecure,
             backward=args.backward, optimizer=optimizer, auto_step=not args.manual_step,
             state_ttl=args.state_ttl, max_states=args.max_states,
             max_states_per_client=args.max_states_per_client,
@@ -255,6 +300,27 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     _log(f"left (undrained: {left})")
     ray.shutdown()
     _log("stopped")
+    return 0
+
+
+def secret_main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m moe_autograd secret``: writes a new job secret to a file."""
+    parser = argparse.ArgumentParser(
+        prog="python -m moe_autograd secret",
+        description="Create a job secret: a file of mode 600 that the trainer and every server "
+                    "of the job read (--secret-file, or MOE_AUTOGRAD_SECRET_FILE). Copy it "
+                    "to each machine the way you copy SSH keys; never pass it on a command "
+                    "line.")
+    parser.add_argument("--out", default="job.secret", help="where to write it (a new file; "
+                                                             "default: job.secret)")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    secret = JobSecret.generate()
+    try:
+        path = secret.save(args.out)
+    except FileExistsError:
+        parser.error(f"{args.out} exists: a secret is never overwritten (remove it first)")
+    print(f"wrote a new job secret to {path} (mode 600, key id {secret.key_id.hex()}); "
+          f"servers and the trainer read it with {ENV_SECRET_FILE}={path}")
     return 0
 
 

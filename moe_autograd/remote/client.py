@@ -12,9 +12,11 @@ holds the same way.
 Per call, the client draws a seed with :meth:`CallRng.fork` (inside a
 checkpointed parent, from the parent's stream, so the recomputation sends the
 same seed) and a call id of 128 random bits (:func:`secrets.token_hex`: other
-clients cannot guess it), sent with this worker's name, which the server
-records as the call's owner. What it keeps until backward depends on the
-server's strategy, which the forward reply names:
+clients cannot guess it). Every message is sealed with the job's secret
+(``secret=``, default :func:`~.auth.job_secret`) by this process's session,
+which the server records as the call's owner (:mod:`.auth`). What the client
+keeps until backward depends on the server's strategy, which the forward
+reply names:
 
 * ``stateless``: the inputs (saved for backward, version-checked) and seed;
   backward sends them with the output gradients.
@@ -24,7 +26,12 @@ server's strategy, which the forward reply names:
 
 Invariants:
 
-* Every failure raises :class:`RemoteExpertError` naming worker and expert;
+* Arguments travel as wire values (:mod:`.wire`: tensors, numbers, strings,
+  bools, None, and lists, tuples and str-keyed dicts of them); anything else
+  raises ``TypeError`` naming the call and the argument before anything is sent.
+* Every failure raises :class:`RemoteExpertError` naming worker and expert
+  (:class:`~.errors.RemoteAuthError` when the server refused the request or
+  its reply failed authentication);
   a missed ``forward_timeout``/``backward_timeout`` raises
   :class:`RemoteTimeoutError` (a :class:`TimeoutError`) within the deadline
   plus a small grace period; a late reply is dropped.
@@ -51,7 +58,6 @@ import collections
 import os
 import secrets
 import threading
-import time
 import warnings
 import weakref
 from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
@@ -61,29 +67,32 @@ from torch import Tensor, nn
 
 from ..phony import get_phony
 from ..rng import CallRng
+from . import wire
+from .auth import JobSecret
 from .batching import COLLECTOR, GRACE_S, Job, RemoteModuleCall, run_sync
+from .channel import request as send_request
 from .errors import RemoteExpertError
-from .server import serve_release
-from .transport import Transport, TransportError, check_timeout, get_transport
+from .transport import Transport, check_timeout, get_transport
 
 __all__ = ["RemoteExpert", "RemoteCall", "flush_releases", "GRACE_S"]
 
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
+_Target = Tuple[Transport, str, Optional[JobSecret]]  # where a release goes
 
 
 class _Releaser:
-    """Sends releases of abandoned stateful calls, batched per worker.
+    """Sends releases of abandoned stateful calls, batched per server.
 
     Finalizers only append to a deque (no locks, no I/O on the GC's thread);
     a daemon thread flushes it every ``interval`` seconds. At interpreter
     exit the thread is stopped (a daemon thread inside the transport's C++
     send when the interpreter finalises would abort the process) and what is
-    pending is sent once more (the transport's own exit hook, which runs
+    pending is sent once more (the RPC engine's own exit hook, which runs
     after this one, lets those requests end).
     """
 
     def __init__(self, interval: float = 0.05) -> None:
-        self.pending: Deque[Tuple[Transport, str, str, str]] = collections.deque()  # +owner, id
+        self.pending: Deque[Tuple[Transport, str, Optional[JobSecret], str]] = collections.deque()
         self.interval = interval
         self._started = False
         self._lock = threading.Lock()
@@ -110,24 +119,27 @@ class _Releaser:
         self.flush()
 
     def flush(self) -> int:
-        batches: Dict[Tuple[int, str, str], Tuple[Transport, List[str]]] = {}
+        batches: Dict[Tuple[int, str, int], Tuple[_Target, List[str]]] = {}
         while self.pending:
-            transport, worker, owner, call_id = self.pending.popleft()
-            batches.setdefault((id(transport), worker, owner), (transport, []))[1].append(call_id)
-        for (_, worker, owner), (transport, ids) in batches.items():
-            try:
-                transport.call(worker, serve_release, (owner, ids), 30.0)  # fire and forget
-            except Exception:  # noqa: BLE001 - peer gone or transport shut down
+            transport, worker, secret, call_id = self.pending.popleft()
+            key = (id(transport), worker, id(secret))
+            batches.setdefault(key, ((transport, worker, secret), []))[1].append(call_id)
+        for (transport, worker, secret), ids in batches.values():
+            try:  # fire and forget
+                send_request(transport, worker, {"op": "release", "calls": ids}, 30.0,
+                             secret=secret, label="release")
+            except Exception:  # noqa: BLE001 - peer gone, transport shut down, no secret
                 pass
         return sum(len(ids) for _, ids in batches.values())
 
-    def add(self, transport: Transport, worker: str, owner: str, call_id: str) -> None:
+    def add(self, transport: Transport, worker: str, secret: Optional[JobSecret],
+            call_id: str) -> None:
         self.start()
-        self.pending.append((transport, worker, owner, call_id))
+        self.pending.append((transport, worker, secret, call_id))
 
 
 _releaser = _Releaser()
-atexit.register(_releaser.stop_at_exit)  # runs before the transport's hook (registered first)
+atexit.register(_releaser.stop_at_exit)  # runs before the RPC engine's hook (registered first)
 
 
 def _after_fork_in_child() -> None:  # the parent's flusher thread does not exist here
@@ -148,13 +160,12 @@ def flush_releases() -> int:
 class _Call:
     """The record of one remote call, kept by the autograd node."""
 
-    __slots__ = ("expert", "seed", "call_id", "owner", "single", "mode", "flags", "finalizer",
+    __slots__ = ("expert", "seed", "call_id", "single", "mode", "flags", "finalizer",
                  "__weakref__")
 
     def __init__(self, expert: "RemoteExpert", seed: int) -> None:
         self.expert, self.seed = expert, seed
         self.call_id = secrets.token_hex(16)  # 128 random bits: unguessable, unique across forks
-        self.owner = ""  # this worker's name, set when the forward is sent
         self.single, self.mode = True, "none"
         self.flags: List[bool] = []
         self.finalizer: Optional[weakref.finalize] = None
@@ -164,7 +175,7 @@ class _Call:
         _releaser.start()
         e = self.expert
         self.finalizer = weakref.finalize(self, _releaser.pending.append,
-                                          (e.transport, e.worker, self.owner, self.call_id))
+                                          (e.transport, e.worker, e.secret, self.call_id))
         self.finalizer.atexit = False
 
 
@@ -256,6 +267,10 @@ class RemoteExpert(nn.Module):
     (about 24 days for TensorPipe); ``nan``, zero or negative values raise
     ``ValueError``, here and when assigned later.
 
+    ``secret``: the job's :class:`~moe_autograd.remote.JobSecret` its
+    messages are sealed with (default: the process's, see
+    :func:`~moe_autograd.remote.set_job_secret` and ``MOE_AUTOGRAD_SECRET_FILE``).
+
     ``skipped_steps`` counts the server's optimizer steps that this client's
     backwards (or :meth:`step` calls) reported as skipped for non-finite
     gradients (each also warns).
@@ -266,9 +281,14 @@ class RemoteExpert(nn.Module):
 
     def __init__(self, worker: str, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
-                 transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None,
+                 secret: Optional[JobSecret] = None) -> None:
         super().__init__()
+        if secret is not None and not isinstance(secret, JobSecret):
+            raise TypeError(f"secret of RemoteExpert {name!r} must be a JobSecret or None, got "
+                            f"{type(secret).__name__}")
         self.worker, self.name = worker, name
+        self.secret = secret
         self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
         self.transport: Transport = transport or get_transport()
         self.skipped_steps = 0
@@ -319,13 +339,6 @@ class RemoteExpert(nn.Module):
     def _where(self, what: str) -> str:
         return f"{what} of expert {self.name!r} on worker {self.worker!r}"
 
-    def _owner(self, what: str) -> str:
-        """This worker's name, which the server records as the call's owner."""
-        try:
-            return self.transport.local_name()
-        except TransportError as error:
-            raise RemoteExpertError(f"{self._where(what)} could not be sent: {error}") from error
-
     def _transport_limit(self) -> str:
         hint = getattr(self.transport, "timeout_hint", None)
         if hint is not None:
@@ -335,14 +348,18 @@ class RemoteExpert(nn.Module):
         return (f"the transport's own timeout ({limit}; or give the expert a "
                 "forward_timeout/backward_timeout)")
 
-    def _job(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float],
+    def _job(self, what: str, message: Dict[str, Any], timeout: Optional[float],
              decode: Any = None, abandon: Any = None) -> Job:
-        return Job(self.transport, self.worker, op, args, timeout,
+        return Job(self.transport, self.worker, message, timeout,
                    lambda: self._where(what), self._transport_limit,
-                   decode if decode is not None else _same, abandon)
+                   decode if decode is not None else _same, abandon, self.secret)
 
-    def _request(self, what: str, op: str, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
-        return run_sync(self._job(what, op, args, timeout))
+    def _wire_args(self, what: str, args: Sequence[Any]) -> List[Any]:
+        """``args`` as they travel: tensors detached on the CPU; raises
+        ``TypeError`` naming the call for what cannot travel."""
+        sent = [_wire(a) for a in args]
+        wire.check_value(sent, f"the arguments of {self._where(what)}: argument list")
+        return sent
 
     def _new_call(self, seed: int) -> _Call:
         return _Call(self, seed)
@@ -352,13 +369,16 @@ class RemoteExpert(nn.Module):
         (outputs on the device of the first tensor argument), and ``call``
         learns the server's strategy from the reply."""
         flags = [bool(grad and isinstance(a, Tensor) and a.requires_grad) for a in args]
-        call.owner = self._owner("forward")
-        request = (self.name, call.owner, call.call_id, call.seed, grad, flags,
-                   tuple(_wire(a) for a in args))
+        message = {"op": "forward", "expert": self.name, "call": call.call_id,
+                   "seed": call.seed, "grad": bool(grad), "flags": flags,
+                   "args": self._wire_args("forward", args)}
         device = next((a.device for a in args if isinstance(a, Tensor)), torch.device("cpu"))
 
         def decode(value: Any) -> Tuple[List[Tensor], List[bool]]:
-            if not (isinstance(value, tuple) and len(value) == 4):
+            if not (isinstance(value, list) and len(value) == 4 and isinstance(value[0], list)
+                    and all(isinstance(o, Tensor) for o in value[0])
+                    and isinstance(value[2], list) and len(value[2]) == len(value[0])
+                    and value[3] in ("none", "stateless", "stateful")):
                 raise RemoteExpertError(f"{self._where('forward')} got a malformed reply: "
                                         f"{value!r:.200}")
             outputs, single, diff, mode = value
@@ -368,8 +388,8 @@ class RemoteExpert(nn.Module):
             return [o.to(device) for o in outputs], diff
 
         def abandon() -> None:  # the server may still store a state for it: release it
-            _releaser.add(self.transport, self.worker, call.owner, call.call_id)
-        return self._job("forward", "forward", request, self.forward_timeout, decode,
+            _releaser.add(self.transport, self.worker, self.secret, call.call_id)
+        return self._job("forward", message, self.forward_timeout, decode,
                          abandon if grad else None)
 
     def _forward(self, call: _Call, args: Sequence[Any], grad: bool) -> Tuple[List[Tensor], List[bool]]:
@@ -379,12 +399,14 @@ class RemoteExpert(nn.Module):
                       grads: Sequence[Optional[Tensor]]) -> Job:
         """The backward of ``call`` (``args`` None: stateful); its result is
         one gradient per argument (None where none flows)."""
-        request = (self.name, call.owner, call.call_id, call.seed,
-                   None if args is None else tuple(_wire(a) for a in args),
-                   call.flags, [_wire(g) for g in grads])
+        message = {"op": "backward", "expert": self.name, "call": call.call_id,
+                   "seed": call.seed, "flags": call.flags,
+                   "args": None if args is None else self._wire_args("backward", args),
+                   "grads": [_wire(g) for g in grads]}
 
         def decode(reply: Any) -> List[Optional[Tensor]]:
-            if not (isinstance(reply, tuple) and len(reply) == 2 and isinstance(reply[0], list)):
+            if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)
+                    and all(g is None or isinstance(g, Tensor) for g in reply[0])):
                 raise RemoteExpertError(f"{self._where('backward')} got a malformed reply: "
                                         f"{reply!r:.200}")
             input_grads, note = reply
@@ -392,7 +414,7 @@ class RemoteExpert(nn.Module):
                 call.finalizer.detach()  # the server freed the state itself
             self._note_skipped(note)
             return input_grads
-        return self._job("backward", "backward", request, self.backward_timeout, decode)
+        return self._job("backward", message, self.backward_timeout, decode)
 
     def _backward(self, call: _Call, args: Optional[Sequence[Any]],
                   grads: Sequence[Optional[Tensor]]) -> List[Optional[Tensor]]:
@@ -405,8 +427,10 @@ class RemoteExpert(nn.Module):
                           RuntimeWarning, stacklevel=3)
 
     # -- the server-side module ------------------------------------------------
-    def _control(self, op: str, payload: Any = None) -> Any:
-        return self._request(op, "control", (self.name, op, payload), self.forward_timeout)
+    def _control(self, what: str, payload: Any = None) -> Any:
+        wire.check_value(payload, f"the payload of {self._where(what)}")
+        message = {"op": "control", "expert": self.name, "what": what, "payload": payload}
+        return run_sync(self._job(what, message, self.forward_timeout))
 
     def step(self) -> None:
         """Runs the server-side optimizer's ``step()`` for this expert (skipped,

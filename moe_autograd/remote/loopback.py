@@ -17,10 +17,19 @@ Invariants:
 * :func:`backend_options` uses TensorPipe's ``uv`` transport: the default
   same-host ``shm`` transport busy-polls (measured: ~20-35 % of a core per
   idle process), which starves worlds of more processes than cores.
+* Worlds listen on loopback only (:func:`~.rpc_bind.start_rpc`), and servers
+  get the job's secret from their parent through the process's start
+  pipe (never argv or the environment): ``secret`` (default: the parent's
+  :func:`~.auth.job_secret`).
 """
 import multiprocessing
 import socket
 from typing import Any, Dict, List, Optional, Sequence
+
+from .auth import JobSecret, job_secret, set_job_secret
+from .factory import load_object
+from .rpc_bind import start_rpc
+from .server import ExpertServer
 
 __all__ = ["free_port", "backend_options", "serve_in_process", "start_servers", "stop_processes"]
 
@@ -56,21 +65,20 @@ def backend_options(port: int, host: str = "127.0.0.1", *, num_worker_threads: i
 
 
 def serve_in_process(port: int, rank: int, world_size: int, name: str, setup: str,
-                     num_worker_threads: int = 16) -> None:
+                     num_worker_threads: int = 16, secret: Optional[str] = None) -> None:
     """Process target: joins the world as ``name`` and serves what ``setup``
-    (``module:function``) builds: a dict of experts, or ExpertServer(s)."""
+    (``module:function``) builds: a dict of experts, or ExpertServer(s).
+    ``secret``: the job's secret in hex (as :func:`start_servers` passes it)."""
     import torch
     from torch.distributed import rpc
 
-    from .cli import load_object
-    from .server import ExpertServer
-
+    if secret is not None:
+        set_job_secret(JobSecret.from_hex(secret))
     torch.set_num_threads(1)
     built = load_object(setup)()  # before init_rpc: ready for the first request
     servers = [ExpertServer(built)] if isinstance(built, dict) else list(
         built if isinstance(built, (list, tuple)) else [built])
-    rpc.init_rpc(name, rank=rank, world_size=world_size,
-                 rpc_backend_options=backend_options(port, num_worker_threads=num_worker_threads))
+    start_rpc(name, rank, world_size, backend_options(port, num_worker_threads=num_worker_threads))
     try:
         rpc.shutdown(graceful=True)  # serves until every worker shuts down
     finally:
@@ -79,14 +87,17 @@ def serve_in_process(port: int, rank: int, world_size: int, name: str, setup: st
 
 
 def start_servers(port: int, world_size: int, names: Sequence[str], setup: str,
-                  first_rank: int = 1, num_worker_threads: int = 16) -> List[Any]:
-    """Spawns one :func:`serve_in_process` per name, ranks from ``first_rank``."""
+                  first_rank: int = 1, num_worker_threads: int = 16,
+                  secret: Optional[JobSecret] = None) -> List[Any]:
+    """Spawns one :func:`serve_in_process` per name, ranks from ``first_rank``,
+    serving the job of ``secret`` (default: this process's)."""
+    key = (secret if secret is not None else job_secret()).hex()
     ctx = multiprocessing.get_context("spawn")
     processes = []
     for k, name in enumerate(names):
         process = ctx.Process(target=serve_in_process, name=f"expert-server-{name}",
                               args=(port, first_rank + k, world_size, name, setup,
-                                    num_worker_threads), daemon=True)
+                                    num_worker_threads, key), daemon=True)
         process.start()
         processes.append(process)
     return processes

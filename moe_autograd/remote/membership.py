@@ -55,6 +55,8 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+from . import rpc_bind
+
 __all__ = ["MembershipError", "check_support", "check_name", "connect_store", "allocate_rank", "found_world",
            "join_world", "leave_world", "reap", "members", "release_stuck_token", "token_holder",
            "store_address",
@@ -231,9 +233,7 @@ def found_world(name: str, options: Any) -> None:
     check_support()
     check_name(name)
     _check_fresh_process()
-    from torch.distributed import rpc
-
-    rpc.init_rpc(name, rank=0, world_size=None, rpc_backend_options=options)
+    rpc_bind.start_rpc(name, 0, None, options)
 
 
 def join_world(name: str, options: Any, raw: Any, rank: int, *,
@@ -250,8 +250,6 @@ def join_world(name: str, options: Any, raw: Any, rank: int, *,
     check_support()
     check_name(name)
     _check_fresh_process()
-    from torch.distributed import rpc
-
     deadline = time.monotonic() + timeout
     while True:
         listed = members(raw)
@@ -267,7 +265,7 @@ def join_world(name: str, options: Any, raw: Any, rank: int, *,
                                   "members (is one running?)")
         time.sleep(0.1)
     try:
-        rpc.init_rpc(name, rank=rank, world_size=None, rpc_backend_options=options)
+        rpc_bind.start_rpc(name, rank, None, options)
     except Exception as error:  # noqa: BLE001 - a member died meanwhile, or the name is taken
         released = release_stuck_token(raw, f"Token_for_{name}_join")
         raise MembershipError(f"joining the world as {name!r} (rank {rank}) failed"
@@ -327,11 +325,11 @@ def leave_world(timeout: float = 10.0, member_timeout: float = 2.0) -> List[str]
 
 def store_address(init_method: str) -> Tuple[str, int]:
     """Host and port of the world's store from a ``tcp://host:port`` init method."""
-    match = re.match(r"^tcp://\[?(?P<host>[^\]]+?)\]?:(?P<port>\d+)/?$", init_method)
-    if not match:
-        raise MembershipError("dynamic membership needs a tcp://host:port init_method, got "
-                              f"{init_method!r}")
-    return match.group("host"), int(match.group("port"))
+    try:
+        return rpc_bind.store_address(init_method)
+    except ValueError as error:
+        raise MembershipError(f"dynamic membership needs a tcp://host:port init_method, got "
+                              f"{init_method!r}") from error
 
 
 def _store_address(agent: Any) -> Tuple[str, int]:

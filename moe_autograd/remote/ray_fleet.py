@@ -3,10 +3,14 @@
 Why: the RPC fleet (:mod:`.fleet`) builds membership itself (a store, beats,
 a reaper, RPC's private dynamic-membership internals). A Ray cluster already
 has it: nodes join (``ray start --address=...``) and leave or die (heartbeats),
-and expert servers are named actors (:class:`~.ray_backend.RayExpertServer`)
+and expert servers are named actors (:class:`~.ray_server.RayExpertServer`)
 that Ray ends when their node or owner dies. A :class:`RayFleet` only reads
-that: the named actors of its namespace, and what each serves. The same
-:class:`~.fleet.FleetExpert` calls experts by name over it (forward retried on
+that: the named actors of its namespace, and what each serves, which it asks
+each with a sealed ``info`` request (:mod:`.channel`): only a server that
+answers with a reply sealed with the job's secret is admitted (another
+job's servers in the namespace, or actors that are no expert servers, are
+never chosen). The same :class:`~.replicas.FleetExpert` calls experts by
+name over it (forward retried on
 another replica, backward to the replica that ran the forward, a name with
 no replica masked at once), so a ``MixtureOfExperts`` of fleet experts runs on
 either engine.
@@ -17,8 +21,11 @@ Lifecycle of a server as a RayFleet sees it (``events``: what is recorded)::
     --------  -----------------------------------------  ----------------------------------
     unseen    the actor starts (its name is registered;  no
               its info() waits for its __init__)
-    serving   a poll finds it and its info() answers     yes (oldest first, then the
-              (event "joined")                           replica that served last)
+    serving   a poll finds it and its sealed info()      yes (oldest first, then the
+              answers, sealed (event "joined")           replica that served last)
+    refused   its answer fails authentication (another   no; not asked again until its
+              job's server, or an impostor; event        name leaves the cluster
+              "refused")
     draining  RayExpertServer.leave() / SIGTERM of a     no; calls in flight and held states
               'serve --engine ray' process (event        are still served (up to its drain
               "left")                                    timeout)
@@ -34,8 +41,8 @@ Lifecycle of a server as a RayFleet sees it (``events``: what is recorded)::
 
 Invariants:
 
-* Only public Ray API: ``ray.util.list_named_actors``, ``ray.get_actor``,
-  ``ray.wait``; no store, no beats, no reaper here.
+* Only public Ray API: ``ray.util.list_named_actors``, ``ray.get_actor``;
+  no store, no beats, no reaper here.
 * A poll never waits on a server it asked before: each server has at most
   one ``info()`` in flight, sent by one poll and collected by whichever
   poll finds it answered; a poll waits only for what it sent itself, at
@@ -59,8 +66,11 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
-from .fleet import FleetEvent, FleetExpert
-from .ray_backend import NAMESPACE, RayTransport, _ray, _short
+from .auth import JobSecret, resolve_secret
+from .channel import Opened, request
+from .errors import RemoteAuthError
+from .ray_engine import NAMESPACE, RayTransport, _ray, short
+from .replicas import FleetEvent, FleetExpert
 from .transport import Transport, check_timeout
 
 __all__ = ["RayFleet", "POLL_WAIT_S"]
@@ -73,22 +83,25 @@ class RayFleet:
     this process is connected to, refreshed every ``poll`` seconds.
 
     ``fleet.expert("ffn0", forward_timeout=..., backward_timeout=...)`` is a
-    :class:`~.fleet.FleetExpert` over it. ``transport``: the
-    :class:`~.ray_backend.RayTransport` its calls use (default: one of this
-    namespace). ``info_timeout``: seconds a server may leave its ``info()``
-    unanswered before it is left out (silent). ``events``: the
-    :class:`~.fleet.FleetEvent` s seen, oldest first (``joined``, ``left``,
-    ``lost``, ``gone``; see the module's table).
+    :class:`~.replicas.FleetExpert` over it. ``transport``: the
+    :class:`~.ray_engine.RayTransport` its calls use (default: one of this
+    namespace). ``secret``: the job's :class:`~moe_autograd.remote.JobSecret`
+    (default: the process's). ``info_timeout``: seconds a server may leave
+    its ``info()`` unanswered before it is left out (silent). ``events``: the
+    :class:`~.replicas.FleetEvent` s seen, oldest first (``joined``, ``left``,
+    ``lost``, ``gone``, ``refused``; see the module's table).
     """
 
     def __init__(self, namespace: str = NAMESPACE, *, poll: float = 0.5,
                  suspect_for: float = 2.0, info_timeout: float = 5.0,
-                 transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None,
+                 secret: Optional[JobSecret] = None) -> None:
         ray = _ray()
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised in this process: call "
                                "ray.init(address=...) before creating a RayFleet")
         self.namespace = namespace
+        self.secret = resolve_secret(secret)
         self.poll = check_timeout("poll of RayFleet", poll) or 0.5
         self.suspect_for = check_timeout("suspect_for of RayFleet", suspect_for) or 0.0
         self.info_timeout = check_timeout("info_timeout of RayFleet", info_timeout) or 5.0
@@ -96,7 +109,8 @@ class RayFleet:
         self._lock = threading.Lock()       # the roster (records, suspects, events)
         self._poll_lock = threading.Lock()  # one poll at a time (handles, pending)
         self._handles: Dict[str, Any] = {}
-        self._pending: Dict[str, Tuple[Any, float]] = {}  # name -> (info() ref, sent at)
+        self._pending: Dict[str, Tuple[Opened, float]] = {}  # name -> (info() sent, sent at)
+        self._refused: Set[str] = set()  # names whose answer failed authentication
         # name -> (first seen serving, experts -> strategy, state)
         self._records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
         self._suspects: Dict[str, float] = {}
@@ -119,12 +133,12 @@ class RayFleet:
                 pass
 
     def _poll_once(self, wait: float, lock_timeout: float = -1, known_too: bool = True) -> bool:
-        """One poll: lists the names, sends ``info()`` to every server without
-        one in flight (``known_too=False``: only to servers not in the roster),
-        waits up to ``wait`` seconds for the answers to what it sent, collects
-        every answer that came (older ones included), and updates the roster.
-        Returns False if another poll held the lock for ``lock_timeout``
-        seconds (``-1``: waits for it)."""
+        """One poll: lists the names, sends a sealed ``info()`` to every
+        server without one in flight (``known_too=False``: only to servers not
+        in the roster), waits up to ``wait`` seconds for the answers to what
+        it sent, collects every answer that came (older ones included), and
+        updates the roster. Returns False if another poll held the lock for
+        ``lock_timeout`` seconds (``-1``: waits for it)."""
         if not self._poll_lock.acquire(timeout=lock_timeout):
             return False
         try:
@@ -141,68 +155,98 @@ class RayFleet:
         for name in set(self._handles) - listed:  # ended: Ray removed its name
             self._handles.pop(name, None)
             self._pending.pop(name, None)
+            self._refused.discard(name)
         with self._lock:
             known = set(self._records)
         now = time.monotonic()
-        sent: List[Any] = []
+        sent: List[Opened] = []
+        arrived = threading.Event()
         for name in names:
             if name in self._pending or (not known_too and name in known):
                 continue
-            handle = self._handles.get(name)
             try:
-                if handle is None:
-                    handle = ray.get_actor(name, namespace=self.namespace)
-                ref = handle.info.remote()
-            except Exception:  # noqa: BLE001 - gone meanwhile, or not an expert server
+                handle = self._handles.get(name) or ray.get_actor(name, namespace=self.namespace)
+            except Exception:  # noqa: BLE001 - gone meanwhile
                 self._handles.pop(name, None)
                 continue
+            if name in self._refused:
+                continue  # answered without the secret: not asked again while it lives
             self._handles[name] = handle
-            self._pending[name] = (ref, now)
-            sent.append(ref)
+            use = getattr(self.transport, "use_handle", None)
+            if use is not None:
+                use(name, handle)
+            try:
+                opened = request(self.transport, name, {"op": "info"}, self.info_timeout,
+                                 secret=self.secret, label="info")
+            except Exception:  # noqa: BLE001 - not an expert server (no handle method)
+                continue
+            self._pending[name] = (opened, now)
+            sent.append(opened)
         if sent:  # only what this poll sent is waited for: a silent server delays nobody
-            ray.wait(sent, num_returns=len(sent), timeout=max(0.0, wait))
-        refs = {name: ref for name, (ref, _) in self._pending.items()}
-        ready: List[Any] = []
-        if refs:
-            ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=0)
-        done = set(ready)
+            left = [len(sent)]
+            lock = threading.Lock()
+
+            def one_done() -> None:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        arrived.set()
+            for opened in sent:
+                add = getattr(opened, "add_done_callback", None)
+                if add is None:
+                    one_done()
+                else:
+                    add(one_done)
+            arrived.wait(max(0.0, wait))
         answers: Dict[str, Dict[str, Any]] = {}
         dead: Dict[str, str] = {}  # name -> why its info() failed
-        for name, ref in refs.items():
-            if ref not in done:
+        refused: Dict[str, str] = {}
+        for name, (opened, _) in list(self._pending.items()):
+            if not opened.done():
                 continue
             del self._pending[name]
             try:
-                answers[name] = ray.get(ref)
+                status, info = opened.result(0)
+            except RemoteAuthError as error:
+                refused[name] = str(error)
+                self._refused.add(name)
+                continue
             except Exception as error:  # noqa: BLE001 - died: Ray fails its calls
                 self._handles.pop(name, None)
-                dead[name] = _short(error)
-        self._apply(names, answers, dead)
+                dead[name] = short(error)
+                continue
+            if status == "ok" and isinstance(info, dict):
+                answers[name] = info
+        self._apply(names, answers, dead, refused)
 
     def _apply(self, names: Sequence[str], answers: Dict[str, Dict[str, Any]],
-               dead: Dict[str, str]) -> None:
+               dead: Dict[str, str], refused: Dict[str, str]) -> None:
         now = time.monotonic()
         with self._lock:
             old = self._records
             records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
             for name in names:
-                if name in dead:
+                if name in dead or name in refused:
                     continue
                 info = answers.get(name)
                 if info is not None:
                     known = old.get(name)
                     first = known[0] if known is not None else now
-                    records[name] = (first, dict(info.get("experts", {})),
+                    experts = info.get("experts", {})
+                    records[name] = (first, dict(experts) if isinstance(experts, dict) else {},
                                      str(info.get("state", "serving")))
                 elif name in old and (name not in self._pending or
                                       now - self._pending[name][1] < self.info_timeout):
                     records[name] = old[name]  # not asked this time, or the answer is on its way
+            for name, why in refused.items():
+                self.events.append(FleetEvent("refused", name, (), now, why))
             for name, (first, experts, state) in old.items():
                 new = records.get(name)
                 if new is None:
                     gone = name in dead or name not in names
                     detail = (f"info() failed: {dead[name]}" if name in dead else
                               "its actor ended" if gone else
+                              "its answer failed authentication" if name in refused else
                               f"no answer for {self.info_timeout:g} s")
                     if gone or (name, first) not in self._lost:
                         self.events.append(FleetEvent("gone" if gone else "lost", name,

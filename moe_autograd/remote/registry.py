@@ -12,13 +12,27 @@ Store layout (prefix ``moe_autograd/fleet/``)::
     key                 value                               written by
     ------------------  ----------------------------------  -------------------------
     version             counter, +1 on every roster change  publish / unpublish / reap
-    roster              JSON {server: rank} (published)     compare-and-set loops
+    roster              JSON {server: [rank, MAC]}          compare-and-set loops
+                        (published)
     server/<server>     JSON record (rank, experts with     the server (overwritten
-                        their backward strategy, state)     on every state change)
+                        their backward strategy, state,     on every state change)
+                        MAC)
     beat/<name>-<rank>  counter, +1 every beat interval     each participant's beat
                         (one key per incarnation)           thread (servers, clients)
-    evicted/<server>    the rank of a reaped incarnation    the reaper
-    stop                "1": servers should leave now       the coordinator's shutdown
+    evicted/<server>    "<rank>:<MAC>" of a reaped          the reaper
+                        incarnation
+    stop                "<MAC>": servers should leave now   the coordinator's shutdown
+
+Trust: the store itself authenticates nobody (torch's TCPStore), so what a
+reader acts on is signed with the job's secret (:meth:`~.auth.JobSecret.sign`:
+roster entries, records, eviction marks, the stop): an entry whose MAC does
+not verify is ignored, counted and logged (:func:`~.auth.refuse`), so a
+process without the secret cannot publish a server, take a name, evict a
+server or stop the fleet. Heartbeat counters are not signed: a stranger who
+reaches the store can make a dead server look alive (its calls then fail on
+the transport and are retried elsewhere) or disrupt the store, not
+impersonate. A name held by a live incarnation cannot be published by
+another (:meth:`Registry.publish` refuses it).
 
 Invariants:
 
@@ -33,17 +47,25 @@ Invariants:
   machines is needed). A name seen for the first time is given the benefit
   of the doubt for one ``dead_after``.
 * All methods are thread-safe (TCPStore clients serialise their requests).
+* Readers see only signed entries: :meth:`Registry.roster` and
+  :meth:`Registry.record` drop (and count) the others.
 """
 import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-__all__ = ["PREFIX", "ServerRecord", "Registry", "BeatWatch", "observe_alive"]
+from .auth import JobSecret, refuse
+
+__all__ = ["PREFIX", "ServerRecord", "Registry", "BeatWatch", "observe_alive", "NameTaken"]
 
 PREFIX = "moe_autograd/fleet/"
 _CAS_TRIES = 1000
+
+
+class NameTaken(RuntimeError):
+    """A server name is published by another live incarnation."""
 
 
 @dataclass(frozen=True)
@@ -56,23 +78,40 @@ class ServerRecord:
     state: str = "serving"   # serving, draining, left, reaped
     published_at: float = 0.0  # the server's wall clock (for reports only)
 
-    def to_json(self) -> str:
-        return json.dumps({"name": self.name, "rank": self.rank, "experts": self.experts,
-                           "state": self.state, "published_at": self.published_at})
+    def _fields(self) -> Dict[str, Any]:
+        return {"name": self.name, "rank": self.rank, "experts": self.experts,
+                "state": self.state, "published_at": self.published_at}
+
+    def to_json(self, secret: JobSecret) -> str:
+        body = json.dumps(self._fields(), sort_keys=True)
+        return json.dumps({"record": body, "mac": secret.sign("server", body)})
 
     @staticmethod
-    def from_json(text: str) -> "ServerRecord":
-        d = json.loads(text)
-        return ServerRecord(str(d["name"]), int(d["rank"]),
-                            {str(k): str(v) for k, v in dict(d.get("experts", {})).items()},
-                            str(d.get("state", "serving")), float(d.get("published_at", 0.0)))
+    def from_json(text: str, secret: JobSecret) -> Optional["ServerRecord"]:
+        """The record, or ``None`` (counted and logged) if it is not signed
+        with ``secret`` or malformed."""
+        try:
+            outer = json.loads(text)
+            body = outer["record"]
+            if not secret.verify(outer.get("mac"), "server", body):
+                refuse("bad MAC", "a fleet record that is not signed with this job's secret",
+                       once=text)
+                return None
+            d = json.loads(body)
+            return ServerRecord(str(d["name"]), int(d["rank"]),
+                                {str(k): str(v) for k, v in dict(d.get("experts", {})).items()},
+                                str(d.get("state", "serving")), float(d.get("published_at", 0.0)))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            refuse("malformed", "a malformed fleet record", once=text)
+            return None
 
 
 class Registry:
-    """The fleet's keys in the world's store ``raw`` (a TCPStore client)."""
+    """The fleet's keys in the world's store ``raw`` (a TCPStore client),
+    signed and checked with ``secret``."""
 
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
+    def __init__(self, raw: Any, secret: JobSecret) -> None:
+        self.raw, self.secret = raw, secret
 
     # -- keys ------------------------------------------------------------------
     @staticmethod
@@ -86,31 +125,66 @@ class Registry:
     def version(self) -> int:
         return int(self.raw.add(self._key("version"), 0))
 
-    def roster(self) -> Dict[str, int]:
-        text = self._get(self._key("roster"))
-        return {str(k): int(v) for k, v in json.loads(text).items()} if text else {}
+    def _entries(self, text: Optional[str]) -> Dict[str, Any]:
+        if not text:
+            return {}
+        try:
+            found = json.loads(text)
+        except ValueError:
+            refuse("malformed", "a malformed fleet roster", once=text)
+            return {}
+        return found if isinstance(found, dict) else {}
 
-    def _update_roster(self, change: Mapping[str, Optional[int]]) -> Dict[str, int]:
-        """Applies ``change`` (name -> rank, or None to remove) atomically."""
+    def roster(self) -> Dict[str, int]:
+        """``name -> rank`` of the published servers whose entries are signed."""
+        out: Dict[str, int] = {}
+        for name, entry in self._entries(self._get(self._key("roster"))).items():
+            if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) \
+                    and self.secret.verify(entry[1], "roster", str(name), str(entry[0])):
+                out[str(name)] = int(entry[0])
+            else:
+                refuse("bad MAC", f"a fleet roster entry for {str(name)[:60]!r} that is not "
+                                  "signed with this job's secret", once=f"roster:{name}:{entry}")
+        return out
+
+    def _update_roster(self, change: Mapping[str, Optional[int]],
+                       check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, int]:
+        """Applies ``change`` (name -> rank, or None to remove) atomically;
+        ``check(entries)`` may refuse it (raises) against what is there."""
         key = self._key("roster")
         for _ in range(_CAS_TRIES):
             current = self._get(key) or ""
-            roster = {str(k): int(v) for k, v in json.loads(current).items()} if current else {}
+            entries = self._entries(current)
+            if check is not None:
+                check(entries)
             for name, rank in change.items():
                 if rank is None:
-                    roster.pop(name, None)
+                    entries.pop(name, None)
                 else:
-                    roster[name] = rank
-            desired = json.dumps(roster, sort_keys=True)
+                    entries[name] = [rank, self.secret.sign("roster", name, str(rank))]
+            desired = json.dumps(entries, sort_keys=True)
             if desired == current or self.raw.compare_set(key, current, desired).decode() == desired:
                 self.raw.add(self._key("version"), 1)
-                return roster
+                return self.roster()
         raise RuntimeError("the fleet's roster is contended beyond reason")  # pragma: no cover
 
-    def publish(self, record: ServerRecord) -> None:
-        """Writes ``record`` and lists the server: clients resolve it from now on."""
-        self.raw.set(self._key("server", record.name), record.to_json())
-        self._update_roster({record.name: record.rank})
+    def publish(self, record: ServerRecord, live: Optional[Callable[[str, int], bool]] = None
+                ) -> None:
+        """Writes ``record`` and lists the server: clients resolve it from now
+        on. Raises :class:`NameTaken` if the roster lists the name with
+        another rank that ``live(name, rank)`` says is still alive (a later
+        joiner cannot take a live server's name)."""
+        def check(entries: Dict[str, Any]) -> None:
+            entry = entries.get(record.name)
+            if isinstance(entry, list) and entry and entry[0] != record.rank and live is not None \
+                    and self.secret.verify(entry[1] if len(entry) > 1 else None, "roster",
+                                           record.name, str(entry[0])) \
+                    and live(record.name, int(entry[0])):
+                raise NameTaken(f"the name {record.name!r} is published by a live server "
+                                f"(rank {entry[0]}); choose another name")
+        check(self._entries(self._get(self._key("roster"))))
+        self.raw.set(self._key("server", record.name), record.to_json(self.secret))
+        self._update_roster({record.name: record.rank}, check)
 
     def unpublish(self, name: str, rank: int, state: str) -> None:
         """Removes ``name`` from the roster if its incarnation ``rank`` is the
@@ -120,21 +194,27 @@ class Registry:
         if record is not None and record.rank == rank:
             self.raw.set(self._key("server", name),
                          ServerRecord(name, rank, record.experts, state,
-                                      record.published_at).to_json())
+                                      record.published_at).to_json(self.secret))
         if self.roster().get(name) == rank:
             self._update_roster({name: None})
 
     def record(self, name: str) -> Optional[ServerRecord]:
         text = self._get(self._key("server", name))
-        return ServerRecord.from_json(text) if text else None
+        return ServerRecord.from_json(text, self.secret) if text else None
 
     def records(self, names: Sequence[str]) -> Dict[str, ServerRecord]:
+        """The signed records of ``names`` (those whose record fails are left out)."""
         keys = [self._key("server", n) for n in names]
         if not keys:
             return {}
         # published servers always have a record (written before the roster)
         values = self.raw.multi_get(keys)
-        return {n: ServerRecord.from_json(bytes(v).decode()) for n, v in zip(names, values)}
+        out: Dict[str, ServerRecord] = {}
+        for name, value in zip(names, values):
+            record = ServerRecord.from_json(bytes(value).decode(), self.secret)
+            if record is not None and record.name == name:
+                out[name] = record
+        return out
 
     # -- heartbeats ------------------------------------------------------------
     def _beat_key(self, name: str, rank: int) -> str:
@@ -165,16 +245,32 @@ class Registry:
 
     # -- eviction and stop -----------------------------------------------------
     def evict(self, name: str, rank: int) -> None:
-        self.raw.set(self._key("evicted", name), str(rank))
+        self.raw.set(self._key("evicted", name),
+                     f"{rank}:{self.secret.sign('evicted', name, str(rank))}")
 
     def evicted(self, name: str, rank: int) -> bool:
-        return self._get(self._key("evicted", name)) == str(rank)
+        text = self._get(self._key("evicted", name))
+        if text is None:
+            return False
+        mark, _, mac = text.partition(":")
+        if not self.secret.verify(mac, "evicted", name, mark):
+            refuse("bad MAC", f"an eviction mark for {name!r} that is not signed with this "
+                              "job's secret", once=f"evicted:{name}:{text}")
+            return False
+        return mark == str(rank)
 
     def request_stop(self) -> None:
-        self.raw.set(self._key("stop"), "1")
+        self.raw.set(self._key("stop"), self.secret.sign("stop"))
 
     def stop_requested(self) -> bool:
-        return bool(self.raw.check([self._key("stop")]))
+        text = self._get(self._key("stop"))
+        if text is None:
+            return False
+        if not self.secret.verify(text, "stop"):
+            refuse("bad MAC", "a fleet stop request that is not signed with this job's secret",
+                   once=f"stop:{text}")
+            return False
+        return True
 
 
 class BeatWatch:

@@ -1,9 +1,12 @@
-"""``ExpertServer``: makes modules callable by name from any worker of the world.
+"""``ExpertServer``: makes modules callable by name by the members of a job.
 
 Why: experts that do not fit on (or are owned by) the training process live in
-other processes or machines. A server registers its experts in this process's
-registry; clients (:class:`~moe_autograd.remote.RemoteExpert`) reach them with
-the ``serve_*`` functions below, run here by the transport's threads.
+other processes or machines. A server registers its experts in this process;
+clients (:class:`~moe_autograd.remote.RemoteExpert`) reach them through the
+process's endpoint (:mod:`.endpoint`), which hands each authenticated request
+to the operations registered here: ``forward``, ``backward``, ``control``,
+``release`` and ``info`` (and :mod:`.batch_server`'s ``batch`` and
+``collect``, which run the same forward and backward jobs).
 
 Backward strategies (chosen per server):
 
@@ -16,64 +19,72 @@ Backward strategies (chosen per server):
   all), freed at backward, on release by the owner, past ``state_ttl``, or
   when evicted by the quota policy.
 
-Requests name their client (the worker ``owner``) and, for stateful calls, a
-128-bit random call id. Trust model: the owner is what the client declares;
-this guards against mistakes, guessed ids and runaway clients, not against a
-member of the RPC world that lies (which can run any function here anyway:
-one world is one trust domain, see the README).
+Who may do what: a server serves the jobs whose secrets it was given
+(``secret=``, default the job's: :func:`~.auth.job_secret`); a request sealed
+with another secret is refused by the gate before it is read, and a member of
+one job cannot reach the experts of another job served in the same process.
+A call's owner is the authenticated session that made it (its job and 128
+random bits, :class:`~.auth.Caller`), never a name the client declares:
+only that session can run the call's backward or release its state, and
+stateful call ids are 128 more random bits.
 
 Invariants:
 
-* A ``serve_*`` function never raises: every error (unknown expert, malformed
+* A handler here never raises: every error (unknown expert, malformed
   request, wrong shapes or dtypes, an expert that raises) becomes an
-  ``("error", text)`` reply naming the expert, so one bad request never harms
+  ``["error", text]`` reply naming the expert, so one bad request never harms
   the server or another client's states.
 * A request's tensors are measured before anything runs, by the bytes the
-  server will materialise (``numel * element_size``, so a stride-0 expanded
-  tensor counts at full size), every tensor reachable in the arguments however
-  nested (:mod:`.sizes`): above ``max_request_bytes`` it is refused. The
-  limit bounds a whole request: the calls of a coalesced one
-  (:mod:`.batch_server`) to one server are counted together and admitted in
-  order while they fit (:func:`admit_request`); one that does not is refused.
-  A stateful state counts the same way (inputs, nested ones included, and
+  server will materialise (``numel * element_size``: a stride-0 expanded
+  tensor counts at full size; :mod:`.sizes`): above ``max_request_bytes`` it
+  is refused. The limit bounds a whole request: the jobs of a coalesced one
+  (:mod:`.batch_server`) are counted each on its own (a tensor two jobs share
+  counts twice, as both materialise it) and admitted in order while they fit
+  (:func:`admit_request`). A stateful state counts the same way (inputs and
   outputs) against ``max_state_bytes``.
 * A backward is validated completely (owner, expert, gradient count, shapes
   and dtypes) before its state is taken: a refused backward leaves the state
   usable by its owner.
-* Parameters change only by a complete operation: ``load_state_dict`` checks
-  keys, types and shapes first and restores the old values if loading still
-  fails; an optimizer step whose gradients are not all finite is skipped
-  (``non_finite_grads="skip"``, reported in the reply and ``stats()``) or
-  refused with an error (``"raise"``); the gradients are zeroed either way
-  under ``auto_step``.
+* Parameters change only by a complete operation of a member of the job:
+  ``load_state_dict`` checks keys, types and shapes first and restores the old
+  values if loading still fails; an optimizer step whose gradients are not
+  all finite is skipped (``non_finite_grads="skip"``, reported in the reply and
+  ``stats()``) or refused with an error (``"raise"``); the gradients are
+  zeroed either way under ``auto_step``.
 * Requests overlap freely (one transport thread each); only an expert with an
   optimizer in ``auto_step`` mode serialises its backward+step.
-* After :meth:`ExpertServer.close` returns, its experts are unknown here and
-  its states are freed.
+* After :meth:`ExpertServer.close` returns, its experts are unknown here, its
+  states are freed, and its secrets no longer open requests (unless another
+  server of this process has them).
 """
+import os
 import threading
-import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
 
 import torch
 from torch import Tensor, nn
 
+from . import endpoint
 from . import execution as ex
+from .auth import Caller, JobSecret, resolve_secret, security_stats
+from .endpoint import Reply, error_text
 from .sizes import Tally, materialised_bytes
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
 
-__all__ = ["ExpertServer", "serve_forward", "serve_backward", "serve_release", "serve_control",
-           "admit_request", "OPS", "BACKWARDS", "NON_FINITE_POLICIES"]
+__all__ = ["ExpertServer", "run_job", "admit_request", "set_host_info", "host_info", "JOB_OPS",
+           "BACKWARDS", "NON_FINITE_POLICIES"]
 
-Reply = Tuple[str, Any]  # ("ok", value) or ("error", text)
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
+Secrets = Union[None, JobSecret, Sequence[JobSecret]]
 BACKWARDS = ("stateless", "stateful")
 NON_FINITE_POLICIES = ("skip", "raise")
+JOB_OPS = ("forward", "backward")
 MiB = 1 << 20
-_MAX_ID_CHARS = 256     # worker names and call ids longer than this are refused
+_MAX_ID_CHARS = 256     # call ids and names longer than this are refused
 _MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
+_CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats")
 
 
 @dataclass
@@ -88,6 +99,19 @@ class _Hosted:
 
 _experts: Dict[str, _Hosted] = {}
 _registry_lock = threading.Lock()
+_host: Dict[str, Any] = {"state": "serving"}  # what info() says of this process
+
+
+def set_host_info(**fields: Any) -> None:
+    """What this process's ``info`` operation reports besides its experts
+    (``state``: ``"serving"`` or ``"draining"``; a host adds e.g. its node)."""
+    with _registry_lock:
+        _host.update(fields)
+
+
+def host_info() -> Dict[str, Any]:
+    with _registry_lock:
+        return dict(_host)
 
 
 def _positive_bytes(name: str, value: Optional[int]) -> Optional[int]:
@@ -98,24 +122,36 @@ def _positive_bytes(name: str, value: Optional[int]) -> Optional[int]:
     return value
 
 
-class ExpertServer:
-    """Serves ``experts`` (name -> module) to the RPC world until :meth:`close`.
+def _secrets(secret: Secrets) -> List[JobSecret]:
+    if secret is None or isinstance(secret, JobSecret):
+        return [resolve_secret(secret)]
+    found = [resolve_secret(s) for s in secret]
+    if not found:
+        raise ValueError("secret must be a JobSecret, a non-empty list of them, or None")
+    return found
 
-    Construct it before or after ``rpc.init_rpc(...)`` (before: the experts
-    are there from the first request a peer can send). ``optimizer`` is a factory
-    ``params -> Optimizer`` (one optimizer per expert); with ``auto_step`` the
-    server steps and zeroes the gradients after every backward (hivemind
-    style, asynchronous SGD); without it clients call
-    :meth:`RemoteExpert.step` / :meth:`RemoteExpert.zero_grad`. Without an
-    optimizer, parameter gradients accumulate into ``.grad`` as local autograd
-    would, before the client's backward returns.
+
+class ExpertServer:
+    """Serves ``experts`` (name -> module) to the members of a job until :meth:`close`.
+
+    Construct it before or after the engine starts (before: the experts are
+    there from the first request a peer can send). ``secret``: the job's
+    :class:`~moe_autograd.remote.JobSecret` (default: the process's, from
+    ``MOE_AUTOGRAD_SECRET_FILE``), or several, to serve several jobs (each
+    job's clients own their calls; all may call every expert here).
+    ``optimizer`` is a factory ``params -> Optimizer`` (one optimizer per
+    expert); with ``auto_step`` the server steps and zeroes the gradients
+    after every backward (hivemind style, asynchronous SGD); without it
+    clients call :meth:`RemoteExpert.step` / :meth:`RemoteExpert.zero_grad`.
+    Without an optimizer, parameter gradients accumulate into ``.grad`` as
+    local autograd would, before the client's backward returns.
 
     Limits (``None`` disables one):
 
     * ``max_request_bytes`` (256 MiB): the tensors of one request (a
-      coalesced request of many calls counts as one), as the server will
-      materialise them (stride-0 tensors at full size), wherever they are
-      nested in the arguments;
+      coalesced request of many calls counts as one, each call's tensors
+      counted for it), as the server will materialise them (stride-0
+      tensors at full size), wherever they are nested in the arguments;
     * ``max_states`` (1024) and ``max_state_bytes`` (1 GiB): what a
       ``stateful`` server holds in all (a state counts its inputs and outputs
       at materialised size), and ``max_states_per_client`` (default
@@ -137,7 +173,7 @@ class ExpertServer:
                  max_states_per_client: Optional[int] = None,
                  max_request_bytes: Optional[int] = 256 * MiB,
                  max_state_bytes: Optional[int] = 1024 * MiB,
-                 non_finite_grads: str = "skip",
+                 non_finite_grads: str = "skip", secret: Secrets = None,
                  transport: Optional[Transport] = None) -> None:
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
@@ -147,6 +183,8 @@ class ExpertServer:
         for name, module in experts.items():
             if not isinstance(name, str) or not isinstance(module, nn.Module):
                 raise TypeError(f"experts must map str to nn.Module, got {name!r}: {type(module)}")
+        self.secrets = _secrets(secret)
+        self.jobs: Set[bytes] = {s.key_id for s in self.secrets}
         self.max_request_bytes = _positive_bytes("max_request_bytes", max_request_bytes)
         self.non_finite_grads = non_finite_grads
         self.store = StateStore(state_ttl, max_states, max_states_per_client=max_states_per_client,
@@ -166,6 +204,7 @@ class ExpertServer:
             if taken:
                 raise ValueError(f"experts {taken} are already served in this process")
             _experts.update(hosted)
+        endpoint.gate().admit(self.secrets)
         self._hosted = list(hosted.values())
         self.names: List[str] = list(hosted)
         if self.store is not None:
@@ -175,7 +214,7 @@ class ExpertServer:
 
     @property
     def worker(self) -> str:
-        """This process's worker name (``"?"`` before ``init_rpc``)."""
+        """This process's worker name (``"?"`` before the engine starts)."""
         try:
             return self._transport.local_name()
         except Exception:  # noqa: BLE001
@@ -199,11 +238,14 @@ class ExpertServer:
 
     def stats(self) -> Dict[str, Any]:
         """Live states and counters (``live`` is 0 for a stateless server);
-        ``skipped_steps``: optimizer steps skipped for non-finite gradients."""
+        ``skipped_steps``: optimizer steps skipped for non-finite gradients;
+        ``refused``: requests this process refused (by reason, see
+        :func:`~moe_autograd.remote.security_stats`)."""
         base: Dict[str, Any] = {"worker": self.worker, "backward": self.backward,
                                 "in_flight": self._busy, "experts": list(self.names),
                                 "skipped_steps": sum(h.skipped_steps for h in self._hosted),
-                                "non_finite_grads": self.non_finite_grads}
+                                "non_finite_grads": self.non_finite_grads,
+                                "refused": security_stats()["refused"]}
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
 
@@ -215,8 +257,11 @@ class ExpertServer:
                 if _experts.get(name) is not None and _experts[name].server is self:
                     del _experts[name]
         with self._idle:
+            first = not self._closed.is_set()
             self._closed.set()
             self._idle.wait_for(lambda: self._busy == 0, timeout)
+        if first:
+            endpoint.gate().dismiss(self.secrets)
         if self.store is not None:
             self.store.clear()
 
@@ -227,35 +272,48 @@ class ExpertServer:
         self.close()
 
 
-def _lookup(name: Any) -> _Hosted:
+# -- requests ------------------------------------------------------------------------------
+def _lookup(caller: Caller, name: Any) -> _Hosted:
     if not isinstance(name, str):
         raise TypeError(f"expert name must be a str, got {type(name).__name__}")
     with _registry_lock:
         hosted = _experts.get(name)
-        if hosted is None:
-            raise LookupError(f"unknown expert {name!r}; this worker serves "
-                              f"{sorted(_experts) or 'no experts'}")
+        mine = sorted(n for n, h in _experts.items() if caller.key_id in h.server.jobs)
+    if hosted is None or caller.key_id not in hosted.server.jobs:
+        if hosted is not None:  # another job's expert: as unknown, and counted
+            endpoint.gate().refuse("unknown job", f"job {caller.job} asked for expert "
+                                                  f"{name!r} of another job")
+        raise LookupError(f"unknown expert {name!r}; this worker serves "
+                          f"{mine or 'no experts'} to this job")
     return hosted
 
 
-def _guarded(name: Any, fn: Callable[[_Hosted], Any]) -> Reply:
+def _guarded(caller: Caller, name: Any, fn: Callable[[_Hosted], Any]) -> Reply:
     try:
-        hosted = _lookup(name)
+        hosted = _lookup(caller, name)
         server = hosted.server
         server._enter()
         try:
-            return "ok", fn(hosted)
+            return ["ok", fn(hosted)]
         finally:
             server._exit()
     except Exception as error:  # noqa: BLE001 - a request must never harm the server
-        where = "".join(traceback.format_exception(error)[-6:])
-        return "error", f"{type(error).__name__}: {error}\n-- server traceback (tail) --\n{where}"
+        return ["error", error_text(error, tail=True)]
 
 
 def _ident(what: str, value: Any) -> str:
     if not isinstance(value, str) or not 0 < len(value) <= _MAX_ID_CHARS:
         raise TypeError(f"{what} must be a non-empty str of at most {_MAX_ID_CHARS} "
                         f"characters, got {value!r:.80}")
+    return value
+
+
+def _field(job: Dict[str, Any], key: str, kinds: Any, what: str) -> Any:
+    value = job.get(key)
+    if not isinstance(value, kinds) or isinstance(value, bool) and bool not in (
+            kinds if isinstance(kinds, tuple) else (kinds,)):
+        raise TypeError(f"{what}: field {key!r} must be {getattr(kinds, '__name__', kinds)}, "
+                        f"got {type(value).__name__}")
     return value
 
 
@@ -271,61 +329,76 @@ def _check_request_size(hosted: _Hosted, what: str, *parts: Any) -> None:
                           "their full size, nested ones too)")
 
 
-def admit_request(jobs: Sequence[Tuple[Any, Any]]) -> List[Optional[str]]:
+def _job_tensors(job: Any) -> List[Any]:
+    """What a job's call materialises: its arguments and output gradients."""
+    if not isinstance(job, dict):
+        return []
+    return [job.get("args"), job.get("grads")]
+
+
+def admit_request(caller: Caller, jobs: Sequence[Any]) -> List[Optional[str]]:
     """The byte limit of a coalesced request, applied to the whole of it:
-    ``jobs`` are ``(op, args)`` in request order; returns, per job, ``None``
+    ``jobs`` are its job dicts in request order; returns, per job, ``None``
     (admitted) or the error text of a job that would take the bytes its
-    server's jobs in this request carry past its ``max_request_bytes``. The
-    jobs of each :class:`ExpertServer` are counted together (every tensor
-    reachable in their arguments, each once), admitted in order while they
-    fit; a job that does not fit is refused alone (a later, smaller one may
-    still fit). Unknown experts are left to fail on their own. Runs nothing."""
-    tallies: Dict[int, Tally] = {}
+    server's jobs in this request materialise past its ``max_request_bytes``.
+    Each job is counted on its own (every tensor its arguments and gradients
+    reach, once; a tensor two jobs share counts for both), the jobs of each
+    :class:`ExpertServer` added up in order while they fit; a job that does
+    not fit is refused alone (a later, smaller one may still fit). Unknown
+    experts are left to fail on their own. Runs nothing."""
+    totals: Dict[int, int] = {}
     verdicts: List[Optional[str]] = []
-    for op, args in jobs:
-        name = args[0] if isinstance(args, (tuple, list)) and args else None
+    for job in jobs:
+        name = job.get("expert") if isinstance(job, dict) else None
+        op = job.get("op") if isinstance(job, dict) else None
         with _registry_lock:
             hosted = _experts.get(name) if isinstance(name, str) else None
-        if hosted is None:
+        if hosted is None or caller.key_id not in hosted.server.jobs:
             verdicts.append(None)
             continue
         limit = hosted.server.max_request_bytes
-        tally = tallies.setdefault(id(hosted.server), Tally())
+        tally = Tally()
         try:
-            added = tally.add(args, limit=limit)
+            tally.add(*_job_tensors(job))
         except ValueError as error:
             verdicts.append(f"ValueError: {op} request of expert {hosted.name!r}: {error}")
             continue
-        if added is None:
-            alone = materialised_bytes(args)
+        before = totals.get(id(hosted.server), 0)
+        if limit is not None and before + tally.total > limit:
             verdicts.append(
-                f"MemoryError: {op} request of expert {hosted.name!r} carries {alone} bytes of "
-                f"tensors once materialised; with the {tally.total} bytes of the calls admitted "
-                f"before it in the same request, more than max_request_bytes={limit} of this "
-                "server (the limit bounds a whole request; expanded/stride-0 tensors count at "
-                "their full size, nested ones too)")
+                f"MemoryError: {op} request of expert {hosted.name!r} carries {tally.total} "
+                f"bytes of tensors once materialised; with the {before} bytes of the calls "
+                f"admitted before it in the same request, more than max_request_bytes={limit} "
+                "of this server (the limit bounds a whole request; expanded/stride-0 tensors "
+                "count at their full size, and a tensor several calls share counts for each)")
             continue
+        totals[id(hosted.server)] = before + tally.total
         verdicts.append(None)
     return verdicts
 
 
-def _forward(hosted: _Hosted, owner: Any, call_id: Any, seed: int, grad: bool,
-             flags: Sequence[bool], args: Sequence[Any]) -> Tuple[List[Any], bool, List[bool], str]:
+def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
+    where = f"forward of expert {hosted.name!r}"
+    call_id = _ident("call id", job.get("call"))
+    seed = _field(job, "seed", int, where)
+    grad = _field(job, "grad", bool, where)
+    flags = _field(job, "flags", list, where)
+    args = _field(job, "args", list, where)
     store = hosted.server.store
-    owner, call_id = _ident("the client's worker name", owner), _ident("call id", call_id)
+    owner = caller.owner
     _check_request_size(hosted, "forward", args)
-    keep = bool(grad) and store is not None
+    keep = grad and store is not None
     if keep:
         assert store is not None
         store.check_new(owner, call_id, hosted.name)  # a duplicate is refused before running
-    leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, int(seed),
-                                                   grad=bool(grad), keep_graph=keep)
+    leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed,
+                                                   grad=grad, keep_graph=keep)
     mode = "none" if not any(diff) else "stateful" if keep else "stateless"
     if mode == "stateful":
         assert store is not None
         nbytes = materialised_bytes(leaves, outputs)
         store.put(call_id, CallState(hosted.name, owner, leaves, outputs, nbytes))
-    return [ex.to_wire(o) for o in outputs], single, diff, mode
+    return [[ex.to_wire(o) for o in outputs], single, diff, mode]
 
 
 def _step(hosted: _Hosted) -> Optional[str]:
@@ -346,23 +419,28 @@ def _step(hosted: _Hosted) -> Optional[str]:
     return note
 
 
-def _backward(hosted: _Hosted, owner: Any, call_id: Any, seed: int,
-              args: Optional[Sequence[Any]], flags: Sequence[bool],
-              grads: Sequence[Any]) -> Tuple[List[Any], Optional[str]]:
+def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
+    where = f"backward of expert {hosted.name!r}"
+    call_id = _ident("call id", job.get("call"))
+    seed = _field(job, "seed", int, where)
+    flags = _field(job, "flags", list, where)
+    grads = _field(job, "grads", list, where)
+    args = job.get("args")
+    if args is not None and not isinstance(args, list):
+        raise TypeError(f"{where}: field 'args' must be a list or None")
     store = hosted.server.store
-    owner, call_id = _ident("the client's worker name", owner), _ident("call id", call_id)
     _check_request_size(hosted, "backward", args, grads)
     if args is None:  # stateful
         if store is None:
             raise RuntimeError(f"a stateful backward of expert {hosted.name!r} reached a "
                                "stateless server")
-        state = store.take(owner, call_id, hosted.name,
+        state = store.take(caller.owner, call_id, hosted.name,
                            lambda s: ex.check_grads(s.outputs, grads))
         leaves, outputs = state.leaves, state.outputs
     else:
-        leaves, outputs = ex.recompute(hosted.module, args, flags, int(seed))
+        leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
     if not hosted.server.auto_step:
-        return ex.run_backward(leaves, outputs, grads), None
+        return [ex.run_backward(leaves, outputs, grads), None]
     assert hosted.optimizer is not None
     with hosted.lock:
         try:
@@ -370,14 +448,14 @@ def _backward(hosted: _Hosted, owner: Any, call_id: Any, seed: int,
             note = _step(hosted)
         finally:
             hosted.optimizer.zero_grad()
-    return result, note
+    return [result, note]
 
 
 def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
     """Loads all of ``payload`` or nothing: checks first, restores on failure."""
     module = hosted.module
     where = f"load_state_dict of expert {hosted.name!r}"
-    if not isinstance(payload, Mapping):
+    if not isinstance(payload, dict):
         raise TypeError(f"{where}: expected a dict, got {type(payload).__name__}")
     current = module.state_dict()
     missing = sorted(set(current) - set(payload))
@@ -404,69 +482,78 @@ def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
             raise
 
 
-def _control(hosted: _Hosted, op: str, payload: Any) -> Any:
+def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
     module = hosted.module
-    if op == "step":
+    if what == "step":
         if hosted.optimizer is None:
             raise RuntimeError(f"expert {hosted.name!r} has no optimizer: pass optimizer=... "
                                "to ExpertServer")
         with hosted.lock:
             return _step(hosted)
-    if op == "zero_grad":
+    if what == "zero_grad":
         with hosted.lock:
             module.zero_grad(set_to_none=bool(payload))
         return None
-    if op == "grads":
+    if what == "grads":
         return {n: ex.to_wire(p.grad.clone()) if p.grad is not None else None
                 for n, p in module.named_parameters()}
-    if op == "state_dict":
+    if what == "state_dict":
         return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-    if op == "load_state_dict":
+    if what == "load_state_dict":
         _load_state_dict(hosted, payload)
         return None
-    if op == "stats":
+    if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
                     expert_skipped_steps=hosted.skipped_steps)
-    raise ValueError(f"unknown control operation {op!r} for expert {hosted.name!r}")
+    raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "
+                     f"one of {_CONTROL}")
 
 
-# -- the functions the transport runs on this worker ---------------------------
-def serve_forward(name: str, owner: str, call_id: str, seed: int, grad: bool,
-                  flags: Sequence[bool], args: Sequence[Any]) -> Reply:
-    """``("ok", (outputs, single, differentiable, mode))``; ``owner`` is the
-    client's worker name, ``call_id`` its random id for this call."""
-    return _guarded(name, lambda h: _forward(h, owner, call_id, seed, grad, flags, args))
+# -- the operations this module registers -------------------------------------------------
+def run_job(caller: Caller, job: Any) -> Reply:
+    """One forward or backward call (a single request, or a job of a
+    coalesced one): its reply, never an exception."""
+    if not isinstance(job, dict) or job.get("op") not in JOB_OPS:
+        return ["error", f"TypeError: a job is a dict whose op is one of {JOB_OPS}"]
+    run = _forward if job["op"] == "forward" else _backward
+    return _guarded(caller, job.get("expert"), lambda h: run(h, caller, job))
 
 
-def serve_backward(name: str, owner: str, call_id: str, seed: int,
-                   args: Optional[Sequence[Any]], flags: Sequence[bool],
-                   grads: Sequence[Any]) -> Reply:
-    """``("ok", (input_grads, note))``; ``note`` says when the server skipped
-    its optimizer step (``None`` otherwise). ``args`` is ``None`` for a
-    stateful call."""
-    return _guarded(name, lambda h: _backward(h, owner, call_id, seed, args, flags, grads))
+def _control_op(caller: Caller, request: Dict[str, Any]) -> Reply:
+    return _guarded(caller, request.get("expert"),
+                    lambda h: _control(h, request.get("what"), request.get("payload")))
 
 
-def serve_control(name: str, op: str, payload: Any = None) -> Reply:
-    return _guarded(name, lambda h: _control(h, op, payload))
-
-
-def serve_release(owner: str, call_ids: Sequence[str]) -> Reply:
-    """Frees ``owner``'s states among ``call_ids`` in every stateful server of
-    this process (states of other workers are left alone)."""
+def _release_op(caller: Caller, request: Dict[str, Any]) -> Reply:
+    """Frees the caller's states among ``calls`` in every stateful server of
+    this process that serves its job (states of other sessions are left alone)."""
     try:
-        owner = _ident("the client's worker name", owner)
-        if not isinstance(call_ids, (list, tuple)) or len(call_ids) > _MAX_RELEASE_IDS:
-            raise TypeError(f"call_ids must be a list of at most {_MAX_RELEASE_IDS} ids, "
-                            f"got {type(call_ids).__name__}")
-        ids = [_ident("call id", c) for c in call_ids]
+        calls = request.get("calls")
+        if not isinstance(calls, list) or len(calls) > _MAX_RELEASE_IDS:
+            raise TypeError(f"calls must be a list of at most {_MAX_RELEASE_IDS} ids, "
+                            f"got {type(calls).__name__}")
+        ids = [_ident("call id", c) for c in calls]
         with _registry_lock:
-            stores = {id(h.server): h.server.store for h in _experts.values()}
-        return "ok", sum(s.release(owner, ids) for s in stores.values() if s is not None)
+            stores = {id(h.server): h.server.store for h in _experts.values()
+                      if caller.key_id in h.server.jobs}
+        return ["ok", sum(s.release(caller.owner, ids) for s in stores.values() if s is not None)]
     except Exception as error:  # noqa: BLE001
-        return "error", f"{type(error).__name__}: {error}"
+        return ["error", error_text(error)]
 
 
-OPS: Dict[str, Callable[..., Reply]] = {
-    "forward": serve_forward, "backward": serve_backward, "control": serve_control}
+def _info_op(caller: Caller, request: Dict[str, Any]) -> Reply:
+    """What this process serves to the caller's job (a fleet's challenge)."""
+    with _registry_lock:
+        experts = {n: h.server.backward for n, h in _experts.items()
+                   if caller.key_id in h.server.jobs}
+        info = dict(_host)
+    info.update(pid=os.getpid(), experts=experts)
+    return ["ok", info]
+
+
+endpoint.register("forward", run_job)
+endpoint.register("backward", run_job)
+endpoint.register("control", _control_op)
+endpoint.register("release", _release_op)
+endpoint.register("info", _info_op)

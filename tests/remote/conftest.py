@@ -11,8 +11,12 @@ of the whole session), and its processes are joined, terminated or killed;
 the tests that use it are collected back to back (first in this directory),
 whichever files they are in.
 
+Every world serves ONE job, :data:`wiring.SECRET` (this process's default
+secret; servers get it from their start pipe or, on Ray, a private file).
+
 The Ray backend (the conformance suite, test_conformance.py, runs against
-both): ONE local Ray instance (``ray.init(num_cpus=2)``) with two server
+both): ONE local Ray instance (``ray.init(num_cpus=2)``, token authentication
+on, its token and temporary files in a private directory) with two server
 actors of the same names serving the same experts, started by the first test
 that needs it (fixture ``ray_world``, skipped when ``ray`` is not importable)
 and shut down (actors, then ``ray.shutdown()``: no process left) right after
@@ -34,7 +38,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # remote_experts, also for spawned children
 
+from moe_autograd.remote import set_job_secret, start_rpc  # noqa: E402
 from moe_autograd.remote.loopback import backend_options, free_port, start_servers, stop_processes  # noqa: E402
+from wiring import SECRET, init_local_ray, remove_ray_dirs  # noqa: E402
+
+set_job_secret(SECRET)  # this process is a member of the test job; its servers get SECRET
 
 SERVERS: Tuple[str, ...] = ("srv-a", "srv-b")
 _world: Dict[str, Any] = {}
@@ -76,6 +84,7 @@ def _shutdown_ray() -> None:
     for server in _ray.get("servers", ()):
         server.kill()
     ray.shutdown()
+    remove_ray_dirs()
 
 
 @pytest.fixture(scope="session")
@@ -87,9 +96,8 @@ def ray_world() -> Iterator[Dict[str, Any]]:
     pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
     if "closed" in _ray:
         pytest.fail("the shared Ray instance was already shut down; keep its tests together")
-    import ray
-
-    from moe_autograd.remote.ray_backend import RayTransport, start_servers
+    from moe_autograd.remote.ray_engine import RayTransport
+    from moe_autograd.remote.ray_server import start_servers
 
     here = os.path.dirname(os.path.abspath(__file__))
     old = os.environ.get("PYTHONPATH")
@@ -97,10 +105,8 @@ def ray_world() -> Iterator[Dict[str, Any]]:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
     _ray["closed"] = False
     try:
-        # address='local': a new instance, never a cluster found through RAY_ADDRESS
-        # or /tmp/ray/ray_current_cluster (left behind by a hard-killed cluster)
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, namespace="moe_autograd_tests")
+        # a new instance of its own, with token authentication
+        init_local_ray(num_cpus=2, namespace="moe_autograd_tests")
         _ray["servers"] = start_servers([(name, "remote_experts:setup_servers")
                                          for name in SERVERS], ready_timeout=90.0)
     except BaseException:
@@ -128,8 +134,7 @@ def world() -> Iterator[Tuple[str, ...]]:
                                         "remote_experts:setup_servers")
     _world["closed"] = False
     try:
-        rpc.init_rpc("client", rank=0, world_size=1 + len(SERVERS),
-                     rpc_backend_options=backend_options(port, rpc_timeout=30.0))
+        start_rpc("client", 0, 1 + len(SERVERS), backend_options(port, rpc_timeout=30.0))
     except BaseException:
         _world["closed"] = True
         stop_processes(_world["processes"], timeout=0.0)

@@ -9,8 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_autograd.remote import ExpertServer, RemoteExpert
-from moe_autograd.remote.transport import Transport, get_transport
+from moe_autograd.remote import ExpertServer, RemoteExpert, register_operation, start_rpc
+from moe_autograd.remote.transport import Transport
+from wiring import Counting, ask  # noqa: F401 - Counting: the tests use rx.Counting
 
 WIDTH = 8
 _barrier = threading.Barrier(4, timeout=10.0)
@@ -115,6 +116,7 @@ def _family(prefix: str) -> Dict[str, nn.Module]:
 
 def setup_servers() -> List[ExpertServer]:
     """What each server process of the shared world serves."""
+    register_test_operations()
     torch.manual_seed(1234 + os.getpid() % 7)
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     stateless = dict(_family(""), slow=Sleepy(2.0, fwd=True, bwd=False),
@@ -198,28 +200,16 @@ def kept_batches() -> int:
 
 
 # -- another client: these run on a server process, which then calls a peer ----
-def _me() -> str:
-    from torch.distributed import rpc
-
-    return rpc.get_worker_info().name
-
-
 def release_as_me(worker: str, call_ids: List[str]) -> Any:
-    """What a release of ``call_ids`` sent by this worker gets from ``worker``."""
-    from torch.distributed import rpc
-
-    from moe_autograd.remote.server import serve_release
-
-    return rpc.rpc_sync(worker, serve_release, args=(_me(), call_ids))
+    """What a release of ``call_ids`` sent by this process (another session of
+    the job) gets from ``worker``."""
+    return ask(worker, {"op": "release", "calls": call_ids})
 
 
 def backward_as_me(worker: str, name: str, call_id: str, grads: List[Tensor]) -> Any:
-    """What a stateful backward of ``call_id`` sent by this worker gets."""
-    from torch.distributed import rpc
-
-    from moe_autograd.remote.server import serve_backward
-
-    return rpc.rpc_sync(worker, serve_backward, args=(name, _me(), call_id, 0, None, [True], grads))
+    """What a stateful backward of ``call_id`` sent by this process gets."""
+    return ask(worker, {"op": "backward", "expert": name, "call": call_id, "seed": 0,
+                        "flags": [True], "args": None, "grads": grads})
 
 
 def flood(worker: str, name: str, n: int) -> Dict[str, Any]:
@@ -264,8 +254,7 @@ def fault_client(port: int, server_pid: int, queue: Any) -> None:
     # then keeps: the diagnostics showed handler 1 (SIG_IGN) in the failing
     # full runs. The client is that user's script: restore the default.
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    rpc.init_rpc("client", rank=0, world_size=2,
-                 rpc_backend_options=backend_options(port, rpc_timeout=1.0))
+    start_rpc("client", 0, 2, backend_options(port, rpc_timeout=1.0))
 
     def interrupt(key: str, fn: Any) -> None:
         # SIGINT to this process 0.2 s in; time from the signal to the exception
@@ -354,7 +343,7 @@ def failure_client(port: int, kill_pid: int, term_pid: int, queue: Any) -> None:
         except Exception as error:  # noqa: BLE001
             report[key] = (type(error).__name__, str(error), time.monotonic() - start)
 
-    rpc.init_rpc("client", rank=0, world_size=3, rpc_backend_options=backend_options(port))
+    start_rpc("client", 0, 3, backend_options(port))
     try:
         x = torch.randn(2, 4, requires_grad=True)
         attempt("before", lambda: RemoteExpert("srv-k", "lin")(x).sum().backward())
@@ -386,6 +375,7 @@ def cpu_seconds() -> float:
 # -- a killed server, on either backend (test_conformance.py) ----------------------------
 def kill_experts() -> Dict[str, nn.Module]:
     """What the doomed server of the kill case serves ("lin" on the live one too)."""
+    register_test_operations()
     return {"lin": nn.Linear(WIDTH, WIDTH), "k_slow": Sleepy(5.0, fwd=True, bwd=False)}
 
 
@@ -429,9 +419,9 @@ def kill_world_client(port: int, doomed_pid: int, queue: Any) -> None:
     from torch.distributed import rpc
 
     from moe_autograd.remote.loopback import backend_options
-    from moe_autograd.remote.transport import RpcTransport
+    from moe_autograd.remote import RpcTransport
 
-    rpc.init_rpc("client", rank=0, world_size=3, rpc_backend_options=backend_options(port))
+    start_rpc("client", 0, 3, backend_options(port))
     report: Dict[str, Any] = {}
     try:
         report = killed_server_steps(RpcTransport(), "srv-l", "srv-k",
@@ -449,37 +439,9 @@ def fleet_experts() -> Dict[str, nn.Module]:
     return {"f_lin": nn.Linear(WIDTH, WIDTH)}
 
 
-_COUNTED = ("serve_batch", "serve_collect", "serve_forward", "serve_backward")
-
-
-class Counting:
-    """``inner`` (default: the current transport), recording each call message
-    as (worker, function)."""
-
-    name = "counting"
-
-    def __init__(self, inner: Optional[Transport] = None) -> None:
-        self.inner: Transport = get_transport() if inner is None else inner
-        self.sent: List[Tuple[str, str]] = []
-        self._lock = threading.Lock()
-
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> Any:
-        if fn.__name__ in _COUNTED:
-            with self._lock:
-                self.sent.append((worker, fn.__name__))
-        return self.inner.call(worker, fn, args, timeout)
-
-    def local_name(self) -> str:
-        return self.inner.local_name()
-
-    def default_timeout(self) -> Optional[float]:
-        return self.inner.default_timeout()  # type: ignore[attr-defined, no-any-return]
-
-    def take(self) -> Dict[str, List[str]]:
-        with self._lock:
-            sent, self.sent = self.sent, []
-        by_worker: Dict[str, List[str]] = {}
-        for worker, fn in sent:
-            by_worker.setdefault(worker, []).append(fn)
-        return by_worker
+def register_test_operations() -> None:
+    """The operations the tests call on a server (``call_operation``): code
+    of this module, registered in the server's process."""
+    for fn in (reset_barrier, close_gate, open_gate, gate_waiting, pool_busy, set_linger,
+               kept_batches, release_as_me, backward_as_me, flood, cpu_seconds, time.sleep):
+        register_operation(fn.__name__, fn)  # time.sleep is "sleep"

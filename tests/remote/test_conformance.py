@@ -20,11 +20,11 @@ import remote_experts as rx
 from moe_autograd import parallel_apply
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.remote import (RemoteCall, RemoteExpert, RemoteExpertError,
-                                 RemoteTimeoutError)
+                                 RemoteTimeoutError, RpcTransport, call_operation)
+from moe_autograd.remote.channel import request
 from moe_autograd.remote.loopback import free_port, start_servers, stop_processes
-from moe_autograd.remote.server import serve_backward, serve_control, serve_forward
-from moe_autograd.remote.transport import (AutoTransport, RpcTransport, Transport,
-                                           choose_backend, get_transport)
+from moe_autograd.remote.transport import AutoTransport, Transport, choose_backend, get_transport
+from wiring import ask
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,9 +37,13 @@ class Backend:
     transport: Transport
     servers: Tuple[Any, ...]
 
-    def run(self, worker: str, fn: Callable[..., Any], *args: Any, timeout: float = 20.0) -> Any:
-        """``fn(*args)`` in the server process ``worker``."""
-        return self.transport.call(worker, fn, args, timeout).result(timeout)
+    def run(self, worker: str, name: str, *args: Any, timeout: float = 20.0) -> Any:
+        """The test operation ``name`` (``remote_experts``) on ``worker``."""
+        return call_operation(worker, name, *args, timeout=timeout, transport=self.transport)
+
+    def ask(self, worker: str, message: Dict[str, Any]) -> Any:
+        """The reply pair of a raw request."""
+        return ask(worker, message, self.transport)
 
     def expert(self, worker: str, name: str, **options: Any) -> RemoteExpert:
         options.setdefault("transport", self.transport)
@@ -119,12 +123,12 @@ def test_dropout_replayed_in_parallel_apply(backend: Backend, prefix: str) -> No
 @pytest.fixture
 def lingering(backend: Backend) -> Iterator[None]:
     """Ready answers wait for all their siblings (no split replies)."""
-    old = [backend.run(w, rx.set_linger, 30.0) for w in ("srv-a", "srv-b")]
+    old = [backend.run(w, "set_linger", 30.0) for w in ("srv-a", "srv-b")]
     try:
         yield
     finally:
         for w, value in zip(("srv-a", "srv-b"), old):
-            backend.run(w, rx.set_linger, value)
+            backend.run(w, "set_linger", value)
 
 
 @pytest.mark.parametrize("prefix", ["", "sf_"])
@@ -138,9 +142,9 @@ def test_one_request_per_server_and_pass(backend: Backend, lingering: None, pref
     t.take()
     xs = [torch.randn(3, rx.WIDTH, requires_grad=True) for _ in experts]
     outs = parallel_apply(experts, xs)
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     sum(o.square().sum() for o in outs).backward()
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     lxs = [x.detach().clone().requires_grad_() for x in xs]
     louts = [m(x) for m, x in zip(locals_, lxs)]
     sum(o.square().sum() for o in louts).backward()
@@ -152,9 +156,9 @@ def test_one_request_per_server_and_pass(backend: Backend, lingering: None, pref
                             for n in ("lin", "sf_lin")], rx.WIDTH, k=4)
     t.take()
     y, aux = moe(torch.randn(6, rx.WIDTH))
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     (y.sum() + aux).backward()
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
 
 
 # -- deadlines ------------------------------------------------------------------------------
@@ -179,7 +183,8 @@ def test_deadline_masks_a_slow_call(backend: Backend) -> None:
 def test_transport_timeout_bounds_a_call_without_deadline(backend: Backend) -> None:
     seconds = backend.transport.default_timeout()  # type: ignore[attr-defined]
     assert seconds == 30.0  # rpc_timeout of the RPC world, RayTransport(timeout=) of Ray
-    pending = backend.transport.call("srv-b", time.sleep, (2.0,), 0.2)
+    pending = request(backend.transport, "srv-b", {"op": "call", "name": "sleep", "args": [2.0]},
+                      0.2)
     with pytest.raises(Exception) as info:
         pending.result(None)
     assert "timeout" in type(info.value).__name__.lower() or "TransportTimeout" in repr(info.value)
@@ -208,24 +213,27 @@ def test_unknown_expert_worker_and_unsendable_arguments(backend: Backend) -> Non
         backend.expert("srv-b", "failing")(x)
     with pytest.raises(RemoteExpertError, match="'no-such-worker'"):
         backend.expert("no-such-worker", "lin")(x)
-    with pytest.raises(RemoteExpertError, match="could not be sent"):
-        backend.expert("srv-b", "lin")(x, threading.Lock())  # unpicklable on both engines
+    with pytest.raises(TypeError, match="argument list\\[1\\] is a _thread.lock, which cannot "
+                                        "travel"):
+        backend.expert("srv-b", "lin")(x, threading.Lock())  # not a wire value
     assert backend.expert("srv-b", "lin")(x).shape == x.shape
 
 
 def test_garbage_requests_get_error_replies(backend: Backend) -> None:
     t = torch.randn(2, rx.WIDTH)
-    me = backend.transport.local_name()
     garbage = [
-        (serve_forward, (123, me, "id", 0, True, [True], (t,)), "expert name must be a str"),
-        (serve_forward, ("lin", None, "id", 0, True, [True], (t,)), "worker name must be"),
-        (serve_backward, ("sf_lin", me, "never-stored", 0, None, [True], [t]), "no state for call"),
-        (serve_backward, ("lin", me, "id", 0, (t,), [True], [t[:1]]), "has shape [1, 8]"),
-        (serve_control, ("lin", "explode", None), "unknown control operation"),
+        ({"op": "forward", "expert": 123, "call": "id", "seed": 0, "grad": True, "flags": [True],
+          "args": [t]}, "expert name must be a str"),
+        ({"op": "backward", "expert": "sf_lin", "call": "never-stored", "seed": 0,
+          "flags": [True], "args": None, "grads": [t]}, "no state for call"),
+        ({"op": "backward", "expert": "lin", "call": "id", "seed": 0, "flags": [True],
+          "args": [t], "grads": [t[:1]]}, "has shape [1, 8]"),
+        ({"op": "control", "expert": "lin", "what": "explode", "payload": None},
+         "unknown control operation"),
     ]
-    for fn, args, match in garbage:
-        status, text = backend.run("srv-a", fn, *args)
-        assert status == "error" and match in text, (fn.__name__, args, text)
+    for message, match in garbage:
+        status, text = backend.ask("srv-a", message)
+        assert status == "error" and match in text, (message, text)
     assert backend.expert("srv-a", "lin")(t).shape == t.shape
 
 
@@ -237,9 +245,12 @@ def test_a_state_is_its_owners_only(backend: Backend) -> None:
     call = args[0]
     out = RemoteCall.apply(*args)[0]
     grad = torch.ones_like(out)
-    status, text = backend.run("srv-a", serve_backward, "sf_lin", "intruder", call.call_id, 0,
-                               None, [True], [grad])
-    assert status == "error" and "intruder" in text, text
+    # srv-b's process is another session of the same job: it may not touch the state
+    status, text = backend.run("srv-b", "backward_as_me", "srv-a", "sf_lin", call.call_id,
+                               [grad])
+    assert status == "error" and "belongs to" in text, text
+    status, freed = backend.run("srv-b", "release_as_me", "srv-a", [call.call_id])
+    assert (status, freed) == ("ok", 0)
     out.backward(grad)  # the owner's backward still finds its state
     assert x.grad is not None
 
@@ -294,7 +305,7 @@ def test_killed_server_is_masked_within_its_deadline(backend: Backend) -> None:
         import os
         import signal
 
-        from moe_autograd.remote.ray_backend import RayExpertServer
+        from moe_autograd.remote import RayExpertServer
 
         doomed = RayExpertServer("srv-k", "remote_experts:kill_experts", ready_timeout=60.0)
         try:

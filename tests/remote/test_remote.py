@@ -8,7 +8,7 @@ from torch import Tensor, nn
 import remote_experts as rx
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.remote import RemoteCall, RemoteExpert, RemoteExpertError
-from moe_autograd.remote.server import serve_backward, serve_control, serve_forward, serve_release
+from wiring import ask
 from moe_autograd.rng import CallRng
 
 pytestmark = pytest.mark.timeout(60)
@@ -168,33 +168,43 @@ def test_unknown_expert_failing_expert_and_unknown_worker(world) -> None:
         RemoteExpert("srv-b", "failing")(x)
     with pytest.raises(RemoteExpertError, match="'no-such-worker'"):
         RemoteExpert("no-such-worker", "lin")(x)
-    with pytest.raises(RemoteExpertError, match="could not be sent"):
-        RemoteExpert("srv-b", "lin")(x, lambda: 0)  # unpicklable
+    with pytest.raises(TypeError, match="argument list\\[1\\] is a builtins.function, which "
+                                        "cannot travel"):
+        RemoteExpert("srv-b", "lin")(x, lambda: 0)  # not a wire value
     assert RemoteExpert("srv-b", "lin")(x).shape == x.shape
 
 
 def test_garbage_requests_get_error_replies(world) -> None:
-    from torch.distributed import rpc
-
     t = torch.randn(2, rx.WIDTH)
-    me = "client"
+
+    def forward(**change):
+        return dict({"op": "forward", "expert": "lin", "call": "id", "seed": 0, "grad": True,
+                     "flags": [True], "args": [t]}, **change)
+
+    def backward(**change):
+        return dict({"op": "backward", "expert": "lin", "call": "id", "seed": 0, "flags": [True],
+                     "args": [t], "grads": [t]}, **change)
     garbage = [
-        (serve_forward, (123, me, "id", 0, True, [True], (t,)), "expert name must be a str"),
-        (serve_forward, ("lin", me, "id", "seed?", True, [True], (t,)), "invalid literal"),
-        (serve_forward, ("lin", me, "id", 0, True, [True, True], (t,)), "flags"),
-        (serve_forward, ("lin", me, "id", 0, True, [True], "notatuple"), "must be a tuple"),
-        (serve_forward, ("lin", None, "id", 0, True, [True], (t,)), "worker name must be"),
-        (serve_forward, ("sf_lin", me, "x" * 1000, 0, True, [True], (t,)), "call id must be"),
-        (serve_backward, ("sf_lin", me, "never-stored", 0, None, [True], [t]), "no state for call"),
-        (serve_backward, ("lin", me, "id", 0, (t,), [True], [t, t]), "expected 1 output gradients"),
-        (serve_backward, ("lin", me, "id", 0, (t,), [True], ["grad"]), "not a tensor"),
-        (serve_backward, ("lin", me, "id", 0, (t,), [True], [t[:1]]), "has shape [1, 8]"),
-        (serve_control, ("lin", "explode", None), "unknown control operation"),
-        (serve_release, (None, ["x"]), "worker name must be"),
-        (serve_release, (me, "not-a-list"), "call_ids must be a list"),
-        (serve_release, (me, [3]), "call id must be"),
+        (forward(expert=123), "expert name must be a str"),
+        (forward(seed="seed?"), "field 'seed' must be int"),
+        (forward(seed=True), "field 'seed' must be int"),
+        (forward(flags=[True, True]), "flags"),
+        (forward(args="notalist"), "field 'args' must be list"),
+        (forward(expert="sf_lin", call="x" * 1000), "call id must be"),
+        (forward(call=None), "call id must be"),
+        (backward(expert="sf_lin", call="never-stored", args=None), "no state for call"),
+        (backward(grads=[t, t]), "expected 1 output gradients"),
+        (backward(grads=["grad"]), "not a tensor"),
+        (backward(grads=[t[:1]]), "has shape [1, 8]"),
+        (backward(args="x"), "'args' must be a list or None"),
+        ({"op": "control", "expert": "lin", "what": "explode"}, "unknown control operation"),
+        ({"op": "release", "calls": "not-a-list"}, "calls must be a list"),
+        ({"op": "release", "calls": [3]}, "call id must be"),
+        ({"op": "no-such-op"}, "unknown operation 'no-such-op'"),
+        ({"op": 7}, "unknown operation 7"),
+        ({"op": "call", "name": "no-such-operation", "args": []}, "no operation"),
     ]
-    for fn, args, match in garbage:
-        status, text = rpc.rpc_sync("srv-a", fn, args=args)
-        assert status == "error" and match in text, (fn.__name__, args, text)
+    for message, match in garbage:
+        status, text = ask("srv-a", message)
+        assert status == "error" and match in text, (message, text)
     assert RemoteExpert("srv-a", "lin")(t).shape == t.shape

@@ -1,0 +1,550 @@
+"""Who may talk to an expert server: job secrets, sealed messages, no replays.
+
+Why: a server runs what its messages ask for, so it must know who asks. A
+*job* (a trainer and the servers it admits) shares a secret; every request
+and every reply is sealed with it (HMAC-SHA256 over the header, the body and
+every tensor buffer), and a message that fails is dropped before its body is
+decoded, counted and logged. The engines' own layers come below this and are
+trusted as their documentation says (see the README's "Security": torch RPC
+trusts every member of its world, Ray every holder of its cluster token).
+
+Pieces:
+
+* :class:`JobSecret`: 32 random bytes; named on the wire by its key id (8
+  bytes of a hash, which reveals nothing of the key). Made by
+  :meth:`JobSecret.generate`, kept in a file only its owner can read
+  (:meth:`JobSecret.save`, ``python -m moe_autograd secret``), read back
+  with :meth:`JobSecret.from_file` or from the environment
+  (``MOE_AUTOGRAD_SECRET_FILE``, or ``MOE_AUTOGRAD_SECRET`` in hex); never
+  from a command line. :func:`set_job_secret` sets this process's default.
+* :class:`Session`: a client's side. A session is 16 random bytes per
+  process and secret; each request carries the next number of its session
+  *for its destination*, and the MAC covers the destination's name, so a
+  request sealed for one server is refused by every other (and a server
+  keeps one window per session and name it serves under).
+* :class:`Gate`: a server's side: its job secrets, the replay windows, the
+  counters of what it refused.
+
+How a server's gate judges a request (:meth:`Gate.open`), in order::
+
+    step          what must hold                                 refused as
+    ------------  ---------------------------------------------  ------------
+    header        lengths match what arrived (:mod:`.frame`)     malformed
+    kind          a request                                      malformed
+    key id        one of this server's job secrets               unknown job
+    MAC           HMAC-SHA256(key, this server's name, header,   bad MAC
+                  body, buffers) equals the one sent
+    freshness     sent within max_clock_skew of this clock       stale
+    replay        (key, session, number) not seen before, and    replay
+                  within the last WINDOW numbers of its session
+    -> the body may be decoded (:mod:`.wire`)
+
+A reply is sealed with the request's key, echoes its session and number, and
+its MAC covers the server's name: a client accepts it only for the request it
+sent, to the server it sent it to (:meth:`Session.open_reply`).
+
+Invariants:
+
+* Nothing of a request but its header is read before its MAC verifies, and
+  the comparison is constant-time (:func:`hmac.compare_digest`).
+* Every refusal is counted (:func:`security_stats`) and logged as a WARNING
+  on ``moe_autograd.remote.auth``, at most one line per reason every
+  :data:`LOG_EVERY_S` seconds (with the count of those not logged).
+* A session forgotten by a server (idle for more than ``max_clock_skew``)
+  cannot be replayed: all its messages are stale by then. The windows are
+  bounded: :data:`MAX_SESSIONS` per gate, else new sessions are refused.
+* A forked child gets sessions of its own (never its parent's numbers).
+"""
+import binascii
+import hashlib
+import hmac
+import logging
+import os
+import secrets
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from .frame import (KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame, FrameError,
+                    Header, buffer_view, build_head, parse, refusal)
+
+__all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
+           "MissingSecretError", "set_job_secret", "job_secret", "resolve_secret", "session_for",
+           "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS", "ENV_SECRET", "ENV_SECRET_FILE",
+           "WINDOW", "MAX_SESSIONS", "DEFAULT_MAX_CLOCK_SKEW_S", "LOG_EVERY_S"]
+
+ENV_SECRET_FILE = "MOE_AUTOGRAD_SECRET_FILE"
+ENV_SECRET = "MOE_AUTOGRAD_SECRET"
+KEY_BYTES = 32
+WINDOW = 4096                 # request numbers a session may arrive out of order by
+MAX_SESSIONS = 1 << 16        # client sessions one gate keeps windows for
+DEFAULT_MAX_CLOCK_SKEW_S = 300.0
+LOG_EVERY_S = 10.0
+_MASK = (1 << WINDOW) - 1
+
+#: Refusal codes (a refusal frame's ``code``) and their names.
+REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
+                           5: "replay", 6: "too many sessions", 7: "not addressed here"}
+_CODES = {name: code for code, name in REASONS.items()}
+_HELP = {
+    "unknown job": "the request was sealed with a secret this server does not have (another "
+                   "job's, or none of this server's)",
+    "bad MAC": "the request's MAC does not verify: a different secret, a request meant for "
+               "another server, or a changed message",
+    "stale": "the request is older (or newer) than max_clock_skew: clocks apart, or a replay",
+    "replay": "the request's number was seen before (a replay)",
+    "too many sessions": "this server tracks too many client sessions",
+    "malformed": "the message is not a well-formed request",
+    "not addressed here": "the request names another server",
+}
+_log = logging.getLogger(__name__)
+
+
+class MissingSecretError(RuntimeError):
+    """No job secret was given and none is configured."""
+
+
+class Refused(Exception):
+    """A request a server will not read (see the module docstring's table)."""
+
+    def __init__(self, reason: str, detail: str = "") -> None:
+        self.reason, self.detail = reason, detail
+        self.code = _CODES[reason]
+        super().__init__(f"{reason}: {detail or _HELP[reason]}")
+
+
+class ReplyRejected(Exception):
+    """A reply a client will not read (it fails authentication, or answers
+    another request)."""
+
+
+# -- the secret ---------------------------------------------------------------------------
+class JobSecret:
+    """A job's shared secret (see the module docstring). ``repr`` shows the
+    key id only."""
+
+    __slots__ = ("_key", "key_id")
+
+    def __init__(self, key: bytes) -> None:
+        if not isinstance(key, (bytes, bytearray)) or len(key) < KEY_BYTES:
+            raise ValueError(f"a job secret is at least {KEY_BYTES} bytes")
+        self._key = bytes(key)
+        self.key_id = hashlib.sha256(b"moe_autograd key id\0" + self._key).digest()[:KEY_ID_BYTES]
+
+    @classmethod
+    def generate(cls) -> "JobSecret":
+        """A new random secret."""
+        return cls(secrets.token_bytes(KEY_BYTES))
+
+    @classmethod
+    def from_hex(cls, text: str, where: str = "the secret") -> "JobSecret":
+        try:
+            key = binascii.unhexlify(text.strip())
+        except (binascii.Error, ValueError) as error:
+            raise ValueError(f"{where} must be {2 * KEY_BYTES} or more hex digits") from error
+        if len(key) < KEY_BYTES:
+            raise ValueError(f"{where} must be {2 * KEY_BYTES} or more hex digits, got "
+                             f"{2 * len(key)}")
+        return cls(key)
+
+    @classmethod
+    def from_file(cls, path: Union[str, "os.PathLike[str]"]) -> "JobSecret":
+        """Reads a secret file (hex). Refuses a file that its group or others
+        can read or write (``chmod 600`` it), as ssh does with keys."""
+        path = os.fspath(path)
+        try:
+            mode = os.stat(path).st_mode
+            with open(path, encoding="ascii") as f:
+                text = f.read()
+        except OSError as error:
+            raise MissingSecretError(f"cannot read the job secret file {path!r}: {error}"
+                                     ) from error
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise PermissionError(f"the job secret file {path!r} is open to its group or to "
+                                  f"others (mode {stat.S_IMODE(mode):o}): run chmod 600 on it")
+        return cls.from_hex(text, f"the job secret file {path!r}")
+
+    @classmethod
+    def from_env(cls) -> Optional["JobSecret"]:
+        """The secret ``MOE_AUTOGRAD_SECRET_FILE`` names, or
+        ``MOE_AUTOGRAD_SECRET`` holds (hex); ``None`` if neither is set."""
+        path = os.environ.get(ENV_SECRET_FILE)
+        if path:
+            return cls.from_file(path)
+        text = os.environ.get(ENV_SECRET)
+        if text:
+            return cls.from_hex(text, f"${ENV_SECRET}")
+        return None
+
+    def save(self, path: Union[str, "os.PathLike[str]"]) -> str:
+        """Writes the secret (hex) to a new file only its owner can read and
+        write; refuses to overwrite one. Returns the path."""
+        path = os.fspath(path)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(self._key.hex() + "\n")
+        return path
+
+    def hex(self) -> str:
+        """The key in hex, e.g. for ``MOE_AUTOGRAD_SECRET`` in a child's environment."""
+        return self._key.hex()
+
+    def mac(self, parts: Iterable[Any]) -> bytes:
+        h = hmac.new(self._key, digestmod=hashlib.sha256)
+        for part in parts:
+            h.update(part)
+        return h.digest()
+
+    def sign(self, *texts: str) -> str:
+        """A hex MAC of ``texts`` (length-prefixed), for records kept outside
+        messages (the fleet's registry)."""
+        return self.mac(f"{len(t)}:{t}".encode() for t in ("record",) + texts).hex()
+
+    def verify(self, signature: Any, *texts: str) -> bool:
+        return isinstance(signature, str) and hmac.compare_digest(signature, self.sign(*texts))
+
+    def __eq__(self, other: Any) -> bool:
+        return isinstance(other, JobSecret) and hmac.compare_digest(self._key, other._key)
+
+    def __hash__(self) -> int:
+        return hash(self.key_id)
+
+    def __repr__(self) -> str:
+        return f"JobSecret(key_id={self.key_id.hex()})"
+
+
+_default: Optional[JobSecret] = None
+
+
+def set_job_secret(secret: Optional[JobSecret]) -> None:
+    """This process's default secret (``None``: back to the environment)."""
+    global _default
+    if secret is not None and not isinstance(secret, JobSecret):
+        raise TypeError(f"set_job_secret expects a JobSecret, got {type(secret).__name__}")
+    _default = secret
+
+
+def job_secret() -> JobSecret:
+    """The default secret: :func:`set_job_secret`'s, else the environment's;
+    raises :class:`MissingSecretError` saying how to make one."""
+    if _default is not None:
+        return _default
+    found = JobSecret.from_env()
+    if found is None:
+        raise MissingSecretError(
+            "no job secret: remote experts authenticate every message with the job's secret. "
+            "Create one with 'python -m moe_autograd secret --out job.secret' (mode 600), copy "
+            f"it to the trainer and the servers, and set {ENV_SECRET_FILE}=job.secret (or pass "
+            "secret=JobSecret.from_file(...), or call moe_autograd.remote.set_job_secret)")
+    return found
+
+
+def resolve_secret(secret: Optional[JobSecret]) -> JobSecret:
+    """``secret``, or the default (:func:`job_secret`)."""
+    if secret is None:
+        return job_secret()
+    if not isinstance(secret, JobSecret):
+        raise TypeError(f"secret must be a JobSecret, got {type(secret).__name__}")
+    return secret
+
+
+# -- counters and logs --------------------------------------------------------------------
+_stats_lock = threading.Lock()
+_refused: Dict[str, int] = {}          # a gate's refusals in this process, by reason
+_rejected: Dict[str, int] = {}         # replies this process's clients rejected, by worker
+_peers: Dict[str, int] = {}            # refusals each server reported in its replies
+_logged: Dict[str, Tuple[float, int]] = {}  # reason -> (last logged, not logged since)
+
+
+def _warn(key: str, message: str) -> None:
+    now = time.monotonic()
+    with _stats_lock:
+        last, held = _logged.get(key, (-LOG_EVERY_S, 0))
+        if now - last < LOG_EVERY_S:
+            _logged[key] = (last, held + 1)
+            return
+        _logged[key] = (now, 0)
+    more = f" ({held} more like it not logged in the last {LOG_EVERY_S:g} s)" if held else ""
+    _log.warning("%s%s", message, more)
+
+
+def note_peer_refusals(worker: str, total: Any) -> None:
+    """A server's reply said it has refused ``total`` requests so far: warns
+    (here, in the trainer) when that grew."""
+    if type(total) is not int or total <= 0:
+        return
+    with _stats_lock:
+        before = _peers.get(worker, 0)
+        _peers[worker] = max(before, total)
+    if total > before:
+        _warn(f"peer:{worker}", f"server {worker!r} reports {total} refused request(s) "
+              f"({total - before} new): someone without this job's secret is trying to use it "
+              "(see the server's log)")
+
+
+def security_stats() -> Dict[str, Dict[str, int]]:
+    """What this process refused or saw refused: ``refused`` (requests its
+    servers refused, by reason), ``rejected_replies`` (replies its clients
+    rejected, by server) and ``peer_refusals`` (refusals each server called
+    here reported, by server)."""
+    with _stats_lock:
+        return {"refused": dict(_refused), "rejected_replies": dict(_rejected),
+                "peer_refusals": dict(_peers)}
+
+
+# -- the client's side --------------------------------------------------------------------
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _mac_parts(name: str, head: bytes, header: Header, buffers: Sequence[Any]) -> List[Any]:
+    label = name.encode()
+    parts: List[Any] = [len(label).to_bytes(4, "little"), label,
+                        memoryview(head)[:header.mac_start], memoryview(head)[header.body_start:]]
+    parts.extend(buffer_view(b) for b in buffers)
+    return parts
+
+
+def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, body: bytes,
+          buffers: Sequence[Any]) -> bytes:
+    lengths = [buffer_view(b).nbytes for b in buffers]
+    head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body), lengths)
+    label = name.encode()
+    mac = secret.mac([len(label).to_bytes(4, "little"), label, head, body]
+                     + [buffer_view(b) for b in buffers])
+    return head + mac + body
+
+
+class Session:
+    """A client's session under one secret (see the module docstring)."""
+
+    def __init__(self, secret: JobSecret) -> None:
+        self.secret = secret
+        self.id = secrets.token_bytes(SESSION_BYTES)
+        self._seq: Dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def owner(self) -> str:
+        """This session as a server names its owner (stateful calls, batches)."""
+        return f"{self.secret.key_id.hex()}:{self.id.hex()}"
+
+    def seal(self, worker: str, body: bytes, buffers: Sequence[Any], label: str = ""
+             ) -> Tuple[Frame, int]:
+        """A request to ``worker`` and its number."""
+        with self._lock:
+            seq = self._seq.get(worker, 0) + 1
+            self._seq[worker] = seq
+        head = _seal(self.secret, worker, REQUEST, self.id, seq, body, buffers)
+        return Frame(head, list(buffers), label), seq
+
+    def open_reply(self, worker: str, seq: int, frame: Frame) -> Tuple[bytes, Sequence[Any]]:
+        """The body and buffers of ``worker``'s reply to request ``seq``;
+        raises :class:`Refused` if the server refused the request, and
+        :class:`ReplyRejected` (counted, logged) if the reply fails."""
+        try:
+            header = parse(frame)
+        except FrameError as error:
+            raise self._reject(worker, f"malformed reply: {error}") from None
+        if header.kind == REFUSAL:
+            raise Refused(REASONS.get(header.code, "malformed"))
+        if header.kind != REPLY or header.key_id != self.secret.key_id \
+                or header.session != self.id or header.seq != seq:
+            raise self._reject(worker, "a reply that answers no request of this client")
+        parts = _mac_parts(worker, frame.head, header, frame.buffers)
+        mac = frame.head[header.mac_start:header.body_start]
+        if not hmac.compare_digest(mac, self.secret.mac(parts)):
+            raise self._reject(worker, "a reply whose MAC does not verify (not sealed with "
+                                       "this job's secret by that server)")
+        return frame.head[header.body_start:], frame.buffers
+
+    def _reject(self, worker: str, why: str) -> ReplyRejected:
+        with _stats_lock:
+            _rejected[worker] = _rejected.get(worker, 0) + 1
+        _warn(f"reply:{worker}", f"rejected {why} from server {worker!r}")
+        return ReplyRejected(f"server {worker!r} sent {why}")
+
+
+_sessions: Dict[bytes, Session] = {}
+_sessions_lock = threading.Lock()
+
+
+def session_for(secret: JobSecret) -> Session:
+    """This process's session under ``secret``."""
+    session = _sessions.get(secret.key_id)
+    if session is None or session.secret != secret:
+        with _sessions_lock:
+            session = _sessions.get(secret.key_id)
+            if session is None or session.secret != secret:
+                session = _sessions[secret.key_id] = Session(secret)
+    return session
+
+
+# -- the server's side --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Caller:
+    """Who sent an authenticated request: its job (key id) and session."""
+
+    key_id: bytes
+    session: bytes
+    seq: int
+
+    @property
+    def owner(self) -> str:
+        return f"{self.key_id.hex()}:{self.session.hex()}"
+
+    @property
+    def job(self) -> str:
+        return self.key_id.hex()
+
+
+class _Window:
+    __slots__ = ("high", "bits", "seen")
+
+    def __init__(self) -> None:
+        self.high, self.bits, self.seen = -1, 0, 0.0
+
+    def accept(self, seq: int, now: float) -> bool:
+        if seq > self.high:
+            shift = seq - self.high
+            self.bits = ((self.bits << shift) | 1) & _MASK if shift < WINDOW else 1
+            self.high = seq
+        else:
+            back = self.high - seq
+            if back >= WINDOW or self.bits >> back & 1:
+                return False
+            self.bits |= 1 << back
+        self.seen = now
+        return True
+
+
+class Gate:
+    """A server process's judge of requests (see the module docstring)."""
+
+    def __init__(self, max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S) -> None:
+        self.max_clock_skew = float(max_clock_skew)
+        self._keys: Dict[bytes, Tuple[JobSecret, int]] = {}  # key id -> (secret, users)
+        self._windows: Dict[Tuple[bytes, bytes, str], _Window] = {}
+        self._lock = threading.Lock()
+
+    # -- keys ----------------------------------------------------------------------------
+    def admit(self, secrets_: Sequence[JobSecret]) -> None:
+        """Accepts requests sealed with ``secrets_`` (one more user each)."""
+        with self._lock:
+            for secret in secrets_:
+                known, users = self._keys.get(secret.key_id, (secret, 0))
+                self._keys[secret.key_id] = (known, users + 1)
+
+    def dismiss(self, secrets_: Sequence[JobSecret]) -> None:
+        """Undoes one :meth:`admit` of each."""
+        with self._lock:
+            for secret in secrets_:
+                known = self._keys.get(secret.key_id)
+                if known is None:
+                    continue
+                if known[1] <= 1:
+                    del self._keys[secret.key_id]
+                    for key in [k for k in self._windows if k[0] == secret.key_id]:
+                        del self._windows[key]
+                else:
+                    self._keys[secret.key_id] = (known[0], known[1] - 1)
+
+    def jobs(self) -> List[str]:
+        with self._lock:
+            return [k.hex() for k in self._keys]
+
+    # -- requests -------------------------------------------------------------------------
+    def open(self, frame: Frame, me: str) -> Tuple[Caller, bytes, Sequence[Any], JobSecret]:
+        """``(caller, body, buffers, secret)`` of an authenticated request to
+        the server named ``me`` (``secret``: the one that opened it, which
+        seals its reply); raises :class:`Refused` (counted, logged)."""
+        try:
+            header = parse(frame)
+        except FrameError as error:
+            raise self.refuse("malformed", f"a request: {error}") from None
+        if header.kind != REQUEST:
+            raise self.refuse("malformed", "a message that is not a request")
+        with self._lock:
+            known = self._keys.get(header.key_id)
+        if known is None:
+            raise self.refuse("unknown job", f"a request sealed with key id "
+                                             f"{header.key_id.hex()}, not a job served here")
+        secret = known[0]
+        parts = _mac_parts(me, frame.head, header, frame.buffers)
+        if not hmac.compare_digest(frame.head[header.mac_start:header.body_start],
+                                   secret.mac(parts)):
+            raise self.refuse("bad MAC", f"a request whose MAC does not verify (key id "
+                                         f"{header.key_id.hex()}, session "
+                                         f"{header.session.hex()[:8]})")
+        now = time.time()
+        skew = abs(now - header.sent_ms / 1000.0)
+        if skew > self.max_clock_skew:
+            raise self.refuse("stale", f"a request sent {skew:.0f} s from this server's clock "
+                                       f"(max_clock_skew={self.max_clock_skew:g} s)")
+        with self._lock:
+            key = (header.key_id, header.session, me)
+            window = self._windows.get(key)
+            if window is None:
+                if len(self._windows) >= MAX_SESSIONS:
+                    self._forget_idle(now)
+                if len(self._windows) >= MAX_SESSIONS:
+                    window = None
+                else:
+                    window = self._windows[key] = _Window()
+            accepted = window is not None and window.accept(header.seq, now)
+        if window is None:
+            raise self.refuse("too many sessions", f"a request of a new session past "
+                                                   f"{MAX_SESSIONS} live client sessions")
+        if not accepted:
+            raise self.refuse("replay", f"a replayed request ({header.seq} of session "
+                                        f"{header.session.hex()[:8]})")
+        caller = Caller(header.key_id, header.session, header.seq)
+        return caller, frame.head[header.body_start:], frame.buffers, secret
+
+    def _forget_idle(self, now: float) -> None:
+        idle = [k for k, w in self._windows.items() if now - w.seen > self.max_clock_skew]
+        for key in idle:
+            del self._windows[key]
+
+    @staticmethod
+    def seal_reply(secret: JobSecret, caller: Caller, me: str, body: bytes,
+                   buffers: Sequence[Any]) -> Frame:
+        """The reply to ``caller``'s request, sealed with the secret that
+        opened it (even if its server closed meanwhile)."""
+        head = _seal(secret, me, REPLY, caller.session, caller.seq, body, buffers)
+        return Frame(head, list(buffers), "reply")
+
+    def refuse(self, reason: str, detail: str) -> Refused:
+        """Counts and logs a refusal; returns it (to raise)."""
+        return refuse(reason, detail)
+
+    @staticmethod
+    def refused_total() -> int:
+        with _stats_lock:
+            return sum(_refused.values())
+
+
+_once: "Dict[str, None]" = {}  # what refuse(once=...) has counted (oldest first, bounded)
+
+
+def refuse(reason: str, detail: str, once: Optional[str] = None) -> Refused:
+    """Counts and logs a refusal (a request, a registry entry, ...) and
+    returns it (to raise). ``once``: a key that is counted only the first
+    time (an entry that a poll reads again and again)."""
+    with _stats_lock:
+        if once is not None:
+            if once in _once:
+                return Refused(reason, detail)
+            _once[once] = None
+            if len(_once) > MAX_SESSIONS:
+                del _once[next(iter(_once))]
+        _refused[reason] = _refused.get(reason, 0) + 1
+    _warn(f"refused:{reason}", f"refused {detail} ({reason}); nothing of it was used or run")
+    return Refused(reason, detail)
+
+
+def refusal_frame(reason: str) -> Frame:
+    """The (unsealed) frame that answers a refused request."""
+    return refusal(_CODES[reason])

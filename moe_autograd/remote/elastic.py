@@ -1,0 +1,304 @@
+"""The server's side of an elastic fleet: join, publish, beat, drain, leave.
+
+Why a module of its own: a server's lifecycle (this process joining a
+running world and leaving it) is not the trainer's (:mod:`.fleet`, which
+finds and admits servers); each side has its own threads and states.
+:class:`ElasticServer` is also ``python -m moe_autograd serve --join``.
+
+Lifecycle of a server (one incarnation = one process = one rank)::
+
+    state     entered when                          what clients see
+    --------  ------------------------------------  ------------------------------------
+    created   ElasticServer(...) (experts are       nothing
+              registered in the process)
+    joining   join(): rank from the store counter,  nothing
+              beats start, waits until no listed
+              member looks dead, init_rpc (on the
+              interface facing the store)
+    serving   its record and roster entry are       resolvable once a fleet's challenge
+              published, signed with the job's      got its sealed answer (within a
+              secret (a name a live incarnation     poll or two, 20 ms each)
+              holds is refused)
+    draining  leave(), SIGTERM/SIGINT, or the       unpublished: not chosen for new calls;
+              coordinator's (signed) stop:          calls in flight, pending backwards
+              unpublished, serves until idle        and stale callers are still served
+              (>= linger, <= drain_timeout)
+    closed    ExpertServer.close(); RPC leave       an unknown worker: a call fails at
+              (members told, store entries gone)    once and retries another replica
+    gone      beats stop                            -
+    crashed   the process died (no leave)           calls fail at once (connection
+                                                    reset) or at their deadline; the
+                                                    server is suspected, then silent
+    reaped    the reaper: beats silent for          as gone; the name can join again
+              dead_after and a ping fails ->
+              removed from every member
+    evicted   a reaped server that was only         -
+              stopped (SIGSTOP) wakes up: it
+              finds its (signed) eviction mark
+              and exits
+
+Invariants:
+
+* A server that leaves through :meth:`ElasticServer.leave` fails no call that
+  reached it or that it holds state for (within ``drain_timeout``).
+* Its beat thread stops at :meth:`ElasticServer.leave`, or at interpreter
+  exit (:mod:`.stopping`); every wait is bounded.
+* What it publishes is signed with the job's secret (the first secret of its
+  first :class:`~.server.ExpertServer` unless ``secret=`` says otherwise).
+"""
+import os
+import secrets
+import signal
+import threading
+import time
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+
+from . import membership, rpc_bind, stopping
+from .auth import JobSecret
+from .registry import NameTaken, Registry, ServerRecord, observe_alive
+from .server import ExpertServer, set_host_info
+
+__all__ = ["ElasticServer", "serve_joined", "default_name"]
+
+MembershipError = membership.MembershipError
+
+
+def _options_address(options: Any) -> Any:
+    return membership.store_address(options.init_method)
+
+
+class ElasticServer:
+    """Serves ``servers`` (:class:`ExpertServer`\\ s built in this process) in
+    the dynamic world at ``master_addr:master_port`` as ``name``.
+
+    :meth:`join` joins and publishes; :meth:`serve` blocks until ``stop`` is
+    set, the coordinator asks servers to stop, this server is evicted, or the
+    world ends, and then leaves (:meth:`leave`: drain, close, RPC leave).
+    ``linger``: seconds a draining server keeps serving at least (callers with
+    a stale cache, stateless backwards of recent forwards); ``drain_timeout``:
+    at most. ``secret``: what it signs its publication with (default: the
+    job secret of its first server). See the module docstring for the
+    lifecycle.
+    """
+
+    def __init__(self, servers: Union[ExpertServer, Sequence[ExpertServer]], name: str,
+                 master_addr: str = "127.0.0.1", master_port: int = 29500, *,
+                 options: Any = None, rpc_timeout: float = 60.0, num_worker_threads: int = 16,
+                 transports: Optional[Sequence[str]] = None, beat_interval: float = 0.1,
+                 join_timeout: float = 30.0, drain_timeout: float = 10.0, linger: float = 1.0,
+                 member_timeout: float = 2.0, lost_after: float = 3.0,
+                 log: Optional[Callable[[str], None]] = None,
+                 secret: Optional[JobSecret] = None) -> None:
+        self.servers = [servers] if isinstance(servers, ExpertServer) else list(servers)
+        if not self.servers:
+            raise ValueError("ElasticServer needs at least one ExpertServer")
+        self.name = membership.check_name(name)
+        self.secret = secret if secret is not None else self.servers[0].secrets[0]
+        self.options = options or rpc_bind.backend_options(
+            master_addr, master_port, rpc_timeout=rpc_timeout,
+            num_worker_threads=num_worker_threads, transports=transports)
+        self.beat_interval, self.join_timeout = beat_interval, join_timeout
+        self.drain_timeout, self.linger = drain_timeout, linger
+        self.member_timeout, self.lost_after = member_timeout, lost_after
+        self.experts: Dict[str, str] = {n: s.backward for s in self.servers for n in s.names}
+        self.rank = -1
+        self.state = "created"
+        self.reason = ""
+        self._log = log or (lambda message: None)
+        self._registry: Optional[Registry] = None
+        self._halt = threading.Event()   # stops the beat thread
+        self._wake = threading.Event()   # wakes serve(): stop, eviction, world lost
+        self._beat_thread: Optional[threading.Thread] = None
+        self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
+
+    def join(self) -> "ElasticServer":
+        """Joins the world and publishes the experts (raises
+        :class:`~moe_autograd.remote.membership.MembershipError` if it cannot)."""
+        if self.state != "created":
+            raise RuntimeError(f"ElasticServer {self.name!r} is {self.state}, not created")
+        membership.check_support()
+        self.state = "joining"
+        try:
+            raw = membership.connect_store(*_options_address(self.options),
+                                           timeout=self.join_timeout)
+            self._registry = registry = Registry(raw, self.secret)
+            self.rank = membership.allocate_rank(raw)
+            self._beat_thread = threading.Thread(target=self._beat, daemon=True,
+                                                 name=f"moe_autograd-fleet-beat-{self.name}")
+            registry.beat(self.name, self.rank)  # joiners are judged by their beats
+            self._beat_thread.start()
+            stopping.track(self)
+            window = 3 * self.beat_interval
+            membership.join_world(self.name, self.options, raw, self.rank,
+                                  timeout=self.join_timeout,
+                                  alive=lambda m: observe_alive(registry, m, window))
+        except BaseException:
+            self.state = "gone"
+            self._halt.set()
+            raise
+        set_host_info(rank=self.rank, name=self.name, state="serving")
+        try:
+            registry.publish(ServerRecord(self.name, self.rank, dict(self.experts), "serving",
+                                          time.time()),
+                             live=lambda n, r: n in membership.members(registry.raw)
+                             and membership.members(registry.raw)[n] == r)
+        except NameTaken as error:
+            self._halt.set()
+            self.state = "gone"
+            raise MembershipError(str(error)) from error
+        self.state = "serving"
+        self._log(f"joined as {self.name!r} (rank {self.rank}) serving {sorted(self.experts)}")
+        return self
+
+    def _beat(self) -> None:
+        registry = self._registry
+        assert registry is not None
+        failing_since: Optional[float] = None
+        while not self._halt.wait(self.beat_interval):
+            try:
+                registry.beat(self.name, self.rank)
+                failing_since = None
+                if self.state == "serving" and not self._wake.is_set():
+                    if registry.evicted(self.name, self.rank):
+                        self._signal("evicted")
+                    elif registry.stop_requested():
+                        self._signal("stopped by the coordinator")
+            except Exception:  # noqa: BLE001 - the store (the founder) is gone?
+                now = time.monotonic()
+                failing_since = failing_since or now
+                if now - failing_since >= self.lost_after:
+                    self._signal("world ended")
+                    return
+
+    def _halt_at_exit(self) -> None:
+        self._halt.set()
+        thread = self._beat_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(stopping.EXIT_JOIN_S)
+
+    def _signal(self, reason: str) -> None:
+        with self._lock:
+            if not self.reason:
+                self.reason = reason
+        self._wake.set()
+
+    def stop(self, reason: str = "stopped") -> None:
+        """Asks :meth:`serve` to leave (thread- and signal-safe)."""
+        self._signal(reason)
+
+    def serve(self, stop: Optional[threading.Event] = None) -> str:
+        """Serves until asked to stop, then leaves; returns why it stopped."""
+        if self.state == "created":
+            self.join()
+        while not self._wake.wait(0.1):
+            if stop is not None and stop.is_set():
+                self._signal("stopped")
+        if self.reason in ("evicted", "world ended"):
+            self._abandon()
+        else:
+            self.leave()
+        return self.reason
+
+    def _busy(self) -> Tuple[int, int]:
+        in_flight = live = 0
+        for server in self.servers:
+            stats = server.stats()
+            in_flight += int(stats.get("in_flight", 0))
+            live += int(stats.get("live", 0))
+        return in_flight, live
+
+    def leave(self, drain_timeout: Optional[float] = None) -> None:
+        """Leaves cleanly: unpublish, keep serving until idle (at least
+        ``linger``, at most ``drain_timeout``), close the servers, leave the
+        RPC world. Idempotent; safe after a failed join."""
+        if self.state != "serving":
+            return
+        registry = self._registry
+        assert registry is not None
+        self.state = "draining"
+        set_host_info(state="draining")
+        self._signal("left")
+        start = time.monotonic()
+        deadline = start + (self.drain_timeout if drain_timeout is None else drain_timeout)
+        try:
+            registry.unpublish(self.name, self.rank, "draining")
+        except Exception:  # noqa: BLE001 - the store is gone: nobody resolves us anyway
+            pass
+        in_flight, live = self._busy()
+        while time.monotonic() < deadline:
+            in_flight, live = self._busy()
+            if time.monotonic() - start >= self.linger and in_flight == 0 and live == 0:
+                break
+            time.sleep(0.02)
+        self._log(f"drained in {time.monotonic() - start:.2f} s (in flight {in_flight}, "
+                  f"held states {live})")
+        for server in self.servers:
+            server.close(timeout=max(deadline - time.monotonic(), 0.1))
+        self.state = "closed"
+        try:
+            skipped = membership.leave_world(timeout=max(deadline - time.monotonic(), 2.0),
+                                             member_timeout=self.member_timeout)
+            if skipped:
+                self._log(f"members {skipped} did not answer the leave (dead: reaped later)")
+            registry.unpublish(self.name, self.rank, "left")
+        except Exception as error:  # noqa: BLE001 - RPC is shut down locally regardless
+            self._log(f"leave: {type(error).__name__}: {error}")
+        finally:
+            self._halt.set()
+            self.state = "gone"
+
+    def _abandon(self) -> None:
+        """Evicted, or the world ended: nobody can be told; stop locally."""
+        from torch.distributed import rpc
+
+        self.state = "closed"
+        for server in self.servers:
+            server.close(timeout=1.0)
+        try:
+            rpc.shutdown(graceful=False)
+        except Exception:  # noqa: BLE001
+            pass
+        self._halt.set()
+        self.state = "gone"
+
+
+def serve_joined(servers: Union[ExpertServer, Sequence[ExpertServer]], name: str,
+                 options: Any, *, drain_timeout: float = 10.0, join_timeout: float = 60.0,
+                 linger: float = 1.0, log: Optional[Callable[[str], None]] = None) -> int:
+    """``python -m moe_autograd serve --join``: join the world of ``options``,
+    serve until SIGINT/SIGTERM, the coordinator's stop or the world's end, then
+    leave cleanly. Returns the exit status: 0, 2 for an unusable name, 3 if
+    this server was evicted (reaped while stopped), 75 (EX_TEMPFAIL) if it
+    could not join (start it again)."""
+    say = log or (lambda message: None)
+    try:
+        elastic = ElasticServer(servers, name, options=options, drain_timeout=drain_timeout,
+                                join_timeout=join_timeout, linger=linger, log=say)
+    except MembershipError as error:
+        say(str(error))
+        for server in [servers] if isinstance(servers, ExpertServer) else servers:
+            server.close(timeout=0.0)
+        return 2
+    previous: Dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda *_: elastic.stop("signal received"))
+    try:
+        try:
+            elastic.join()
+        except MembershipError as error:
+            say(f"could not join: {error}")
+            for server in elastic.servers:
+                server.close(timeout=0.0)
+            return 75
+        reason = elastic.serve()
+        say(f"stopped ({reason})")
+        return 3 if reason == "evicted" else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def default_name() -> str:
+    """A worker name for a server started without ``--name``."""
+    return f"expert_server_{os.getpid()}_{secrets.token_hex(2)}"

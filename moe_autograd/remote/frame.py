@@ -1,0 +1,169 @@
+"""A message as the engines carry it: a fixed header, a body, raw buffers.
+
+Why a module of its own: every message our code sends or receives (requests,
+replies, collects, releases, control messages, a fleet's challenges) has ONE
+shape, whatever the engine (torch RPC, Ray) and whatever it says. The shape
+is bytes and buffers, never objects: nothing here or above it unpickles
+what arrived. This module knows the layout only; :mod:`.auth` seals and
+opens it, :mod:`.wire` writes and reads the body and buffers.
+
+Layout of :attr:`Frame.head` (little-endian)::
+
+    offset    size  field
+    --------  ----  -----------------------------------------------------------
+    0         4     magic ``b"MoEa"``
+    4         1     version (1)
+    5         1     kind: 1 request, 2 reply, 3 refusal
+    6         1     code: why a refusal refused (0 otherwise)
+    7         1     reserved (0)
+    8         8     key id: which job secret sealed it (:class:`~.auth.JobSecret`)
+    16        16    session: the requesting client's session (a reply echoes it)
+    32        8     seq: the request's number in its session (a reply echoes it)
+    40        8     sent: the sender's wall clock, ms since the epoch
+    48        4     body length
+    52        4     n, the number of buffers
+    56        8 n   each buffer's length in bytes
+    56 + 8 n  32    MAC (HMAC-SHA256 over all of the above, the body, the buffers)
+    88 + 8 n  ...   the body (msgpack, :mod:`.wire`)
+
+A refusal is the header alone (no body, no buffers, no MAC): a server that
+cannot authenticate a request has nothing it may say with the job's key.
+
+Invariants:
+
+* :func:`parse` reads a header without trusting it: every length is checked
+  against the bytes that actually arrived, and against :data:`MAX_BODY_BYTES`
+  and :data:`MAX_BUFFERS`, before anything else reads the frame.
+* ``Frame.label`` is local only (it never travels): what the message is, for
+  diagnostics and fault injection (``"forward"``, ``"backward"``, ...).
+"""
+import struct
+from dataclasses import dataclass, field
+from typing import Any, List, Sequence
+
+__all__ = ["Frame", "Header", "FrameError", "parse", "buffer_lengths", "build_head", "refusal", "buffer_view",
+           "MAGIC", "VERSION", "REQUEST", "REPLY", "REFUSAL", "MAC_BYTES", "MAX_BUFFERS",
+           "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES"]
+
+MAGIC = b"MoEa"
+VERSION = 1
+REQUEST, REPLY, REFUSAL = 1, 2, 3
+KEY_ID_BYTES = 8
+SESSION_BYTES = 16
+MAC_BYTES = 32
+MAX_BUFFERS = 1 << 16          # tensors one message may carry
+MAX_BODY_BYTES = 64 << 20      # the body (schema values, not tensor data)
+_FIXED = struct.Struct("<4sBBBB8s16sQQII")  # up to and including the buffer count
+_LENGTH = struct.Struct("<Q")
+
+
+class FrameError(ValueError):
+    """A frame's header is malformed (lengths, magic, version)."""
+
+
+@dataclass
+class Frame:
+    """One message: ``head`` (header, MAC and body, see the module
+    docstring) and ``buffers``, the raw bytes of its tensors (``bytes``,
+    ``memoryview``, a 1-D uint8 CPU tensor or NumPy array, as an engine
+    carries them)."""
+
+    head: bytes
+    buffers: Sequence[Any] = field(default_factory=list)
+    label: str = ""
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed header (see the module docstring)."""
+
+    kind: int
+    code: int
+    key_id: bytes
+    session: bytes
+    seq: int
+    sent_ms: int
+    body_start: int
+    body_len: int
+    lengths: List[int]
+
+    @property
+    def mac_start(self) -> int:
+        return self.body_start - MAC_BYTES
+
+
+def buffer_view(buffer: Any) -> memoryview:
+    """The bytes of one buffer, without a copy."""
+    if isinstance(buffer, (bytes, bytearray, memoryview)):
+        view = memoryview(buffer)
+    elif hasattr(buffer, "numpy") and hasattr(buffer, "dtype"):  # a torch tensor
+        view = memoryview(buffer.detach().numpy())
+    else:
+        view = memoryview(buffer)  # a NumPy array, or anything with the buffer protocol
+    if not view.contiguous:
+        raise FrameError("a buffer is not contiguous")
+    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+
+
+def build_head(kind: int, key_id: bytes, session: bytes, seq: int, sent_ms: int,
+               body_len: int, lengths: Sequence[int], code: int = 0) -> bytes:
+    """The header up to (not including) the MAC."""
+    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, 0, key_id, session, seq, sent_ms, body_len,
+                        len(lengths))
+    return fixed + b"".join(_LENGTH.pack(n) for n in lengths)
+
+
+def refusal(code: int) -> Frame:
+    """The frame a server answers a request it refused with."""
+    head = build_head(REFUSAL, bytes(KEY_ID_BYTES), bytes(SESSION_BYTES), 0, 0, 0, [], code)
+    return Frame(head + bytes(MAC_BYTES), [], "refusal")
+
+
+def buffer_lengths(head: Any) -> List[int]:
+    """The buffer lengths a header announces (for an engine that carries the
+    buffers as one blob); raises :class:`FrameError` if it cannot tell."""
+    if not isinstance(head, (bytes, bytearray)) or len(head) < _FIXED.size:
+        raise FrameError("not a frame's head")
+    n = _FIXED.unpack_from(head)[-1]
+    if n > MAX_BUFFERS or len(head) < _FIXED.size + _LENGTH.size * n:
+        raise FrameError("a frame's head too short for its buffer count")
+    return [_LENGTH.unpack_from(head, _FIXED.size + _LENGTH.size * k)[0] for k in range(n)]
+
+
+def parse(frame: Frame) -> Header:
+    """The header of ``frame``, every length checked against what arrived
+    (raises :class:`FrameError`)."""
+    head = frame.head
+    if not isinstance(head, (bytes, bytearray)):
+        raise FrameError(f"a frame's head must be bytes, got {type(head).__name__}")
+    if len(head) < _FIXED.size:
+        raise FrameError(f"a frame of {len(head)} bytes is shorter than a header")
+    magic, version, kind, code, _, key_id, session, seq, sent_ms, body_len, n = \
+        _FIXED.unpack_from(head)
+    if magic != MAGIC:
+        raise FrameError("not a moe_autograd message (bad magic)")
+    if version != VERSION:
+        raise FrameError(f"message version {version}, this side speaks {VERSION}")
+    if kind not in (REQUEST, REPLY, REFUSAL):
+        raise FrameError(f"unknown message kind {kind}")
+    if n > MAX_BUFFERS or body_len > MAX_BODY_BYTES:
+        raise FrameError(f"a message of {n} buffers and a {body_len}-byte body is past the "
+                         f"limits ({MAX_BUFFERS} buffers, {MAX_BODY_BYTES} bytes)")
+    body_start = _FIXED.size + _LENGTH.size * n + MAC_BYTES
+    if len(head) != body_start + body_len:
+        raise FrameError(f"a frame's head is {len(head)} bytes, its header says "
+                         f"{body_start + body_len}")
+    buffers = frame.buffers
+    if not isinstance(buffers, (list, tuple)) or len(buffers) != n:
+        raise FrameError(f"the header announces {n} buffers, "
+                         f"{len(buffers) if isinstance(buffers, (list, tuple)) else '?'} arrived")
+    lengths = [_LENGTH.unpack_from(head, _FIXED.size + _LENGTH.size * k)[0] for k in range(n)]
+    for k, (length, buffer) in enumerate(zip(lengths, buffers)):
+        try:
+            actual = buffer_view(buffer).nbytes
+        except Exception as error:  # noqa: BLE001 - whatever an engine handed over
+            raise FrameError(f"buffer {k} is not a byte buffer ({type(buffer).__name__}: "
+                             f"{error})") from error
+        if actual != length:
+            raise FrameError(f"buffer {k} has {actual} bytes, the header says {length}")
+    return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths)

@@ -1,0 +1,186 @@
+"""Experts called by name on whichever live replica a fleet resolves.
+
+Why a module of its own: two fleets resolve names to servers, one per
+engine (:class:`~.fleet.Fleet` on torch RPC, :class:`~.ray_fleet.RayFleet`
+on Ray), and the same :class:`FleetExpert` calls through either; neither
+fleet needs the other, so what they share sits here, below both.
+
+Invariants:
+
+* A forward is idempotent, so a failed attempt is retried on another live
+  replica, each replica at most once per call, within the call's
+  ``forward_timeout`` (each attempt gets what is left, or
+  ``attempt_timeout``); a backward goes only to the replica that ran the
+  forward (it holds the state, or the parameters whose gradients a stateless
+  recomputation must produce): if it fails, the call's backward fails (the
+  MoE layer treats it as a constant).
+* A name with no live replica fails at once with :class:`NoLiveReplica` (a
+  :class:`RemoteExpertError`): the MoE layer masks it like a failing expert.
+* Every attempt is sealed with the fleet's job secret (``fleet.secret``):
+  a fleet resolves only servers that proved it (see each fleet's admission).
+"""
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+
+from torch import Tensor, nn
+
+from .auth import JobSecret
+from .client import RemoteExpert
+from .errors import RemoteExpertError, RemoteTimeoutError
+from .transport import Transport, TransportError, check_timeout
+
+__all__ = ["FleetExpert", "FleetEvent", "NoLiveReplica", "Resolver", "caused_by_transport"]
+
+Outputs = Union[Tensor, Tuple[Tensor, ...]]
+
+
+class NoLiveReplica(RemoteExpertError):
+    """No live server hosts the expert now (none joined yet, all left or died)."""
+
+
+@dataclass(frozen=True)
+class FleetEvent:
+    """A change a fleet (:class:`~.fleet.Fleet`, :class:`~.ray_fleet.RayFleet`) observed: ``joined``, ``left`` (a clean leave
+    started), ``lost`` (a call failed on the transport, or the beats went
+    silent) or ``reaped`` (removed after a crash)."""
+
+    kind: str
+    worker: str
+    experts: Tuple[str, ...]
+    at: float          # time.monotonic() of this process
+    detail: str = ""
+
+
+def caused_by_transport(error: BaseException) -> bool:
+    """Whether a call failed on the way (not in the server): some exception
+    in its cause/context chain is a transport error."""
+    seen: Optional[BaseException] = error
+    for _ in range(8):
+        seen = seen.__cause__ or seen.__context__ if seen is not None else None
+        if seen is None:
+            return False
+        if isinstance(seen, TransportError):
+            return True
+    return False
+
+
+
+class Resolver(Protocol):
+    """What :class:`FleetExpert` needs of a fleet: :class:`~.fleet.Fleet` (torch RPC)
+    or :class:`~moe_autograd.remote.ray_fleet.RayFleet` (Ray)."""
+
+    transport: Transport
+    secret: Optional[JobSecret]
+
+    def replicas(self, expert: str) -> List[str]: ...
+
+    def refresh_on_miss(self) -> None: ...
+
+    def servers(self) -> Dict[str, Tuple[str, ...]]: ...
+
+    def suspect(self, worker: str, why: str = "") -> None: ...
+
+    def _served(self, worker: str) -> None: ...
+
+
+class FleetExpert(nn.Module):
+    """Calls the expert ``name`` on a live replica that ``fleet`` resolves.
+
+    ``forward_timeout`` bounds the whole call, retries included (``None``:
+    each attempt has the transport's timeout); ``attempt_timeout`` bounds one
+    attempt (so a stopped replica leaves time for another); ``backward_timeout``
+    bounds the backward, which goes to the replica that ran the forward.
+    A replica that fails is not tried again within the same call; a replica
+    that failed on the transport is skipped by every call for the fleet's
+    ``suspect_for``. ``last_worker`` is the replica of the latest successful
+    forward, tried first next time; ``retries`` counts attempts after a failure.
+    """
+
+    def __init__(self, fleet: Resolver, name: str, *, forward_timeout: Optional[float] = None,
+                 backward_timeout: Optional[float] = None,
+                 attempt_timeout: Optional[float] = None) -> None:
+        super().__init__()
+        self.fleet, self.name = fleet, name
+        self.forward_timeout = check_timeout(f"forward_timeout of FleetExpert {name!r}",
+                                             forward_timeout)
+        self.backward_timeout = check_timeout(f"backward_timeout of FleetExpert {name!r}",
+                                              backward_timeout)
+        self.attempt_timeout = check_timeout(f"attempt_timeout of FleetExpert {name!r}",
+                                             attempt_timeout)
+        self.last_worker: Optional[str] = None
+        self.retries = 0
+
+    def extra_repr(self) -> str:
+        return f"name={self.name!r}"
+
+    def replicas(self) -> List[str]:
+        return self.fleet.replicas(self.name)
+
+    def forward(self, *args: Any) -> Outputs:  # type: ignore[override]
+        start = time.monotonic()
+        deadline = None if self.forward_timeout is None else start + self.forward_timeout
+        tried: List[str] = []
+        # (worker, message, timed out): no exception objects are kept, since
+        # their tracebacks hold frames whose locals (a later attempt's outputs,
+        # hence its server-side state) only the cyclic GC would free.
+        failures: List[Tuple[str, str, bool]] = []
+        while True:
+            candidates = [w for w in self.fleet.replicas(self.name) if w not in tried]
+            if not candidates and not tried:  # none cached: one may have joined just now
+                self.fleet.refresh_on_miss()
+                candidates = self.fleet.replicas(self.name)
+            if not candidates:
+                raise self._no_replica(failures, start)
+            preferred = self.last_worker
+            worker = preferred if preferred in candidates else candidates[0]
+            limit = self.attempt_timeout
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._no_replica(failures, start, timed_out=True)
+                limit = left if limit is None else min(limit, left)
+            tried.append(worker)
+            if failures:
+                self.retries += 1
+            outputs, failure = self._attempt(worker, limit, args)
+            if failure is None:
+                assert outputs is not None
+                self.last_worker = worker
+                self.fleet._served(worker)
+                return outputs
+            failures.append(failure[:3])
+            if failure[3]:
+                self.fleet.suspect(worker, f"a call of {self.name!r} failed on the transport")
+
+    def _attempt(self, worker: str, limit: Optional[float], args: Tuple[Any, ...]
+                 ) -> Tuple[Optional[Outputs], Optional[Tuple[str, str, bool, bool]]]:
+        """One call on ``worker``: ``(outputs, None)`` or ``(None, (worker,
+        message, timed out, transport failure))``. A helper frame of its own,
+        so that an exception's traceback never holds :meth:`forward`'s frame
+        (whose locals end up holding a later attempt's outputs)."""
+        expert = RemoteExpert(worker, self.name, forward_timeout=limit,
+                              backward_timeout=self.backward_timeout,
+                              transport=self.fleet.transport, secret=self.fleet.secret)
+        try:
+            return expert(*args), None
+        except RemoteExpertError as error:
+            failure = (worker, str(error), isinstance(error, RemoteTimeoutError),
+                       caused_by_transport(error))
+            traceback.clear_frames(error.__traceback__)  # finished frames: free their locals
+            return None, failure
+
+    def _no_replica(self, failures: Sequence[Tuple[str, str, bool]], start: float,
+                    timed_out: bool = False) -> RemoteExpertError:
+        spent = time.monotonic() - start
+        if not failures:
+            return NoLiveReplica(f"expert {self.name!r}: no live server hosts it now "
+                                 f"(live servers: {sorted(self.fleet.servers())})")
+        shown = "; ".join(f"{w}: {m}" for w, m, _ in failures[:3])
+        if timed_out or all(t for _, _, t in failures):
+            return RemoteTimeoutError(f"expert {self.name!r} missed its {self.forward_timeout:g} "
+                                      f"s deadline after {len(failures)} attempt(s) in "
+                                      f"{spent:.3f} s: {shown}")
+        return RemoteExpertError(f"expert {self.name!r} failed on every live replica "
+                                 f"({len(failures)} attempt(s) in {spent:.3f} s): {shown}")

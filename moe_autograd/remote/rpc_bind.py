@@ -1,0 +1,162 @@
+"""Where a torch RPC world listens: the address it was given, not every interface.
+
+Why: torch RPC's own layer trusts every member of its world (TensorPipe
+unpickles every call before any check of ours can run), and its rendezvous
+store accepts anyone who reaches its port. So on this engine the world must
+stay closed, and the first defence is not to listen where strangers are:
+
+* torch's ``tcp://`` rendezvous makes rank 0's ``TCPStore`` listen on all
+  interfaces (``*:PORT``) whatever host it was given. :func:`host_store`
+  starts that store first, on a socket bound to the given host only, with
+  ``multi_tenant=True``: torch's rendezvous then reuses it (a multi-tenant
+  store of that port already runs in this process) instead of starting one.
+* TensorPipe listens on the address of the interface ``TP_SOCKET_IFNAME``
+  names, else on the address its host name resolves to (often the LAN
+  address). :func:`bind_interface` sets ``TP_SOCKET_IFNAME`` (unless the user
+  set it) to the interface that faces the world's store: ``lo`` for
+  ``127.0.0.1``, the one routing to ``MASTER_ADDR`` otherwise.
+
+:func:`start_rpc` does both and calls ``rpc.init_rpc``: the README's
+recipes use it, so a world started as written listens on loopback unless an
+address is named.
+
+Invariants:
+
+* A store started by :func:`host_store` listens on ``host`` only (tested by
+  reading the process's listening sockets).
+* :func:`bind_interface` never overrides a ``TP_SOCKET_IFNAME`` the user set,
+  and leaves it unset when no interface can be found (TensorPipe's default).
+"""
+import datetime
+import fcntl
+import ipaddress
+import os
+import re
+import socket
+import struct
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+__all__ = ["host_store", "bind_interface", "interface_for", "start_rpc", "backend_options",
+           "is_loopback", "store_address", "IFNAME_ENV"]
+
+IFNAME_ENV = "TP_SOCKET_IFNAME"
+_SIOCGIFADDR = 0x8915
+_stores: Dict[int, Any] = {}  # port -> the store this process hosts (kept alive)
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _interface_addresses() -> Dict[str, str]:
+    """IPv4 address of each interface (Linux ``SIOCGIFADDR``)."""
+    found: Dict[str, str] = {}
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:
+                continue
+            found[name] = socket.inet_ntoa(reply[20:24])
+    return found
+
+
+def interface_for(host: str) -> Optional[str]:
+    """The name of the local interface that has ``host``'s address, or that
+    this machine would use to reach it; ``None`` if none can be told."""
+    try:
+        address = socket.gethostbyname(host)
+        if ipaddress.ip_address(address).is_loopback:
+            address = "127.0.0.1"
+        else:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+                sock.connect((address, 9))  # no packet is sent: the kernel picks a route
+                address = sock.getsockname()[0]
+        for name, mine in _interface_addresses().items():
+            if mine == address:
+                return name
+    except OSError:
+        return None
+    return None
+
+
+def bind_interface(host: str) -> Optional[str]:
+    """Makes TensorPipe listen on the interface facing ``host`` (see the
+    module docstring); returns the interface it will use (``None``:
+    TensorPipe's default)."""
+    chosen = os.environ.get(IFNAME_ENV)
+    if chosen:
+        return chosen
+    name = interface_for(host)
+    if name is not None:
+        os.environ[IFNAME_ENV] = name
+    return name
+
+
+def host_store(host: str, port: int, timeout: float = 300.0) -> Any:
+    """Starts this process's rendezvous store for ``tcp://host:port``,
+    listening on ``host`` only (see the module docstring)."""
+    import torch.distributed as dist
+
+    known = _stores.get(port)
+    if known is not None:
+        return known
+    address = socket.gethostbyname(host)
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address, port))
+        sock.listen(128)
+    except OSError as error:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port} for the world's store: {error}") from error
+    store = dist.TCPStore(host, port, None, True, datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=sock.detach())
+    _stores[port] = store
+    return store
+
+
+def backend_options(master_addr: str, master_port: int, *, rpc_timeout: float = 60.0,
+                    num_worker_threads: int = 16, transports: Optional[Sequence[str]] = None,
+                    channels: Optional[Sequence[str]] = None) -> Any:
+    """TensorPipe options for a member of the world whose store is at
+    ``master_addr:master_port`` (``transports=["uv"]`` when processes
+    outnumber cores: TensorPipe's same-host ``shm`` transport busy-polls)."""
+    from torch.distributed import rpc
+
+    extra: Dict[str, Any] = {}
+    if transports:
+        extra["_transports"] = list(transports)
+    if channels:
+        extra["_channels"] = list(channels)
+    return rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://{master_addr}:{master_port}",
+                                           num_worker_threads=num_worker_threads,
+                                           rpc_timeout=rpc_timeout, **extra)
+
+
+def store_address(init_method: str) -> Tuple[str, int]:
+    """Host and port of the world's store from a ``tcp://host:port`` init method."""
+    match = re.match(r"^tcp://\[?(?P<host>[^\]]+?)\]?:(?P<port>\d+)/?$", init_method)
+    if not match:
+        raise ValueError("a world's store is named by a tcp://host:port init_method, got "
+                         f"{init_method!r}")
+    return match.group("host"), int(match.group("port"))
+
+
+def start_rpc(name: str, rank: int, world_size: Optional[int], options: Any) -> None:
+    """``rpc.init_rpc(name, rank, world_size, options)``, listening only where
+    the world is (see the module docstring): rank 0 hosts the store on the
+    store's host; every rank's TensorPipe binds the interface facing it."""
+    from torch.distributed import rpc
+
+    host, port = store_address(options.init_method)
+    bind_interface(host)
+    if rank == 0:
+        host_store(host, port)
+    rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

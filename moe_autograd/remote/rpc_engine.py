@@ -1,0 +1,268 @@
+"""torch RPC as an engine: :class:`RpcTransport` and the one function it runs.
+
+Why: :mod:`torch.distributed.rpc` (TensorPipe) needs no service and moves
+tensors without copying them into a message. Here it carries
+:class:`~.frame.Frame` s only: a request is ``rpc_async(worker, _receive,
+args=(head, buffers))``, where ``head`` is bytes and ``buffers`` 1-D uint8
+tensors, and ``_receive`` hands the frame to :func:`.endpoint.serve` and
+returns the reply's ``(head, buffers)``. No other function of ours is ever
+called by RPC, and ``_receive`` runs nothing its frame names but a
+registered operation.
+
+Trust: TensorPipe unpickles every RPC (the function's reference and its
+arguments) before ``_receive`` runs, so a member of the world can run any
+function in any other, whatever this module does. The world must stay
+closed: :mod:`.rpc_bind` keeps it on the address it was given (loopback by
+default), and the README says what that leaves.
+
+Invariants:
+
+* ``call`` never blocks on the peer; ``Pending.result`` waits in slices of
+  :data:`~.transport.WAIT_SLICE_S` (Ctrl-C gets through).
+* ``call(..., timeout=None)`` ends at the agent's ``rpc_timeout`` (60 s
+  unless set in ``TensorPipeRpcBackendOptions``); a finite timeout is
+  clamped to :data:`~.transport.RPC_MAX_TIMEOUT_S` and rounded *up* to whole
+  milliseconds (the agent truncates to milliseconds and reads 0 as no limit).
+* No reply arrives while the interpreter finalises. A reply (or the
+  agent's timeout) completes its future on a TensorPipe thread, which must
+  take the GIL; past the start of finalisation torch aborts the process
+  ("terminate called ...", status -6). So at exit (an ``atexit`` hook) no new
+  request is sent, requests in flight get up to :data:`EXIT_SETTLE_S` to
+  end, and if some have not, the local agent is shut down without waiting
+  (``rpc.shutdown(graceful=False)``). The agent is left alone when nothing
+  is in flight, or when the script shut RPC down itself.
+"""
+import atexit
+import itertools
+import math
+import os
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from . import endpoint
+from .frame import Frame
+from .transport import (WAIT_SLICE_S, Engine, Pending, TransportError, TransportSendError,
+                        TransportTimeout, check_timeout, register_engine)
+
+__all__ = ["RpcTransport", "rpc_running", "in_flight", "EXIT_SETTLE_S", "RPC_RESOLUTION_S"]
+
+RPC_RESOLUTION_S = 0.001  # the agent keeps whole milliseconds, and 0 means no limit at all
+EXIT_SETTLE_S = 0.5  # at exit, how long requests in flight get to end by themselves
+
+
+# -- the server's side ---------------------------------------------------------------------
+_me: List[Any] = [None, ""]  # (agent, its worker name): looked up once per agent
+
+
+def _my_name() -> str:
+    from torch.distributed.rpc import api
+
+    agent = api._get_current_rpc_agent()
+    if _me[0] is not agent:
+        _me[1] = agent.get_worker_info().name
+        _me[0] = agent
+    return str(_me[1])
+
+
+def _receive(head: bytes, buffers: List[Any]) -> Tuple[bytes, List[Any]]:
+    """What RPC runs on a server: one frame in, one out (see the module docstring)."""
+    try:
+        me = _my_name()
+    except Exception:  # noqa: BLE001 - shutting down
+        me = ""
+    reply = endpoint.serve(Frame(head, buffers if isinstance(buffers, list) else []), me)
+    return reply.head, list(reply.buffers)
+
+
+# -- the client's side ---------------------------------------------------------------------
+def _is_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return "timeout" in text or "timed out" in text
+
+
+class _RpcPending:
+    """An ``rpc_async`` future. The agent itself fails it at the RPC's
+    timeout (set to the call's deadline), and drops a late response.
+
+    ``future.wait()`` would block in C++ where no signal handler runs (Ctrl-C
+    would wait for the reply) and where a daemon thread cannot be stopped at
+    exit; so the waiter sleeps on a :class:`threading.Lock` (released by a
+    done callback on the agent's thread) in slices of :data:`WAIT_SLICE_S`,
+    and calls ``wait()`` only once the future is done."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Any) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def add_done_callback(self, fn: Callable[[], None]) -> None:
+        # Runs on the agent's thread that completes the future (or here, if
+        # done): ``fn`` must not block.
+        self._future.add_done_callback(lambda _: fn())
+
+    def result(self, timeout: Optional[float]) -> Frame:
+        future = self._future
+        if not future.done():
+            ready = threading.Lock()  # held until the done callback releases it
+            ready.acquire()
+            future.add_done_callback(lambda _: ready.release())
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
+                                                                 deadline - time.monotonic())
+                if left <= 0:
+                    raise TransportTimeout(f"no reply within {timeout:g} s")
+                if ready.acquire(timeout=left):  # a signal handler may raise in here (Ctrl-C)
+                    break
+        try:
+            value = future.wait()  # done: returns (or raises) at once
+        except Exception as error:  # noqa: BLE001 - every engine error is mapped
+            kind = TransportTimeout if _is_timeout(error) else TransportError
+            raise kind(f"{type(error).__name__}: {error}") from error
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bytes)
+                and isinstance(value[1], list)):
+            raise TransportError("a reply that is not a frame (is the peer a moe_autograd "
+                                 "server of this version?)")
+        return Frame(value[0], value[1], "reply")
+
+
+def _agent_seconds(limit: float) -> float:
+    """``limit`` as the RPC agent will keep it: whole milliseconds (it
+    truncates ``seconds * 1000`` to an int, 0 meaning no limit), rounded up
+    so that the agent never fires before the deadline nor drops it."""
+    ms = max(1, math.ceil(limit / RPC_RESOLUTION_S - 1e-6))
+    return (ms + 0.5) * RPC_RESOLUTION_S  # truncates back to ms, even in float32
+
+
+# -- requests in flight, and a clean exit ----------------------------------------------
+_in_flight: Dict[int, Any] = {}  # futures not done yet (dict ops: GIL-atomic)
+_keys = itertools.count()
+_exiting = threading.Event()  # set by the exit hook: no new request from then on
+
+
+def _track(future: Any) -> None:
+    key = next(_keys)
+    _in_flight[key] = future
+    future.add_done_callback(lambda _: _in_flight.pop(key, None))
+
+
+def in_flight() -> int:
+    """Requests of :class:`RpcTransport` whose reply has not come (tests, exit)."""
+    return len(_in_flight)
+
+
+def _settle_at_exit(settle: float = EXIT_SETTLE_S) -> None:
+    """The exit hook: see the module docstring's last invariant."""
+    _exiting.set()
+    if not _in_flight:
+        return
+    deadline = time.monotonic() + settle
+    while _in_flight and time.monotonic() < deadline:
+        time.sleep(0.005)
+    if not _in_flight:
+        return
+    from torch.distributed import rpc
+
+    try:
+        rpc.shutdown(graceful=False)  # fails the rest locally; no thread runs them later
+    except Exception:  # noqa: BLE001 - not initialised, or shut down meanwhile
+        pass
+    _in_flight.clear()
+
+
+atexit.register(_settle_at_exit)
+
+
+def _after_fork_in_child() -> None:  # the parent's requests are not this process's
+    global _exiting
+    _in_flight.clear()
+    _exiting = threading.Event()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class RpcTransport:
+    """:mod:`torch.distributed.rpc`, initialised with ``init_rpc`` (or
+    :func:`moe_autograd.remote.start_rpc`, which keeps the world on its
+    address).
+
+    ``timeout=None`` (or ``math.inf``) uses the agent's default RPC timeout
+    (the ``rpc_timeout`` of the backend options, 60 s unless configured; note
+    that ``rpc_timeout=0`` there means no limit at all). Finite timeouts are
+    clamped to :data:`~.transport.RPC_MAX_TIMEOUT_S` and rounded up to whole
+    milliseconds (at least one: the agent would read a smaller value as no
+    limit).
+    """
+
+    name = "torch.distributed.rpc"
+
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Pending:
+        from torch.distributed import rpc
+
+        if _exiting.is_set():
+            raise TransportSendError("the interpreter is exiting: no new request is sent")
+        try:
+            limit = check_timeout("timeout", timeout)
+        except (TypeError, ValueError) as error:
+            raise TransportSendError(str(error)) from error
+        rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if limit is None else _agent_seconds(limit)
+        try:
+            future = rpc.rpc_async(worker, _receive, args=(frame.head, list(frame.buffers)),
+                                   timeout=rpc_timeout)
+        except Exception as error:  # noqa: BLE001 - unknown worker, not initialised
+            raise TransportSendError(f"{type(error).__name__}: {error}") from error
+        _track(future)
+        return _RpcPending(future)
+
+    def timeout_hint(self) -> str:
+        seconds = self.default_timeout()
+        limit = f"rpc_timeout={seconds:g} s" if seconds is not None else "its default"
+        return (f"the transport's own timeout ({limit}; set it with "
+                "rpc.TensorPipeRpcBackendOptions(rpc_timeout=...), or give the expert a "
+                "forward_timeout/backward_timeout)")
+
+    def default_timeout(self) -> Optional[float]:
+        """The agent's own timeout in seconds (``None`` if unknown or unlimited)."""
+        from torch.distributed import rpc
+
+        try:
+            value = float(rpc.get_rpc_timeout())
+        except Exception:  # noqa: BLE001 - not initialised
+            return None
+        return value if value > 0 else None
+
+    def local_name(self) -> str:
+        from torch.distributed import rpc
+
+        try:
+            return str(rpc.get_worker_info().name)
+        except Exception as error:  # noqa: BLE001
+            raise TransportError(
+                "torch.distributed.rpc is not initialised in this process: call "
+                f"rpc.init_rpc(name, rank, world_size, ...) first ({error})") from error
+
+
+_rpc_transport = RpcTransport()
+
+
+def rpc_running() -> bool:
+    """Whether this process has an initialised RPC agent (without importing
+    RPC if nobody did: then nobody initialised it)."""
+    rpc = sys.modules.get("torch.distributed.rpc")
+    if rpc is None:
+        return False
+    try:
+        rpc.get_worker_info()
+    except Exception:  # noqa: BLE001 - not initialised (or shut down)
+        return False
+    return True
+
+
+register_engine(Engine("torch.distributed.rpc", rpc_running, lambda: _rpc_transport,
+                       "torch.distributed.rpc.init_rpc(name, rank, world_size, ...)"))
