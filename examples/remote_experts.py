@@ -11,17 +11,26 @@ Two processes form a ``torch.distributed.rpc`` world of size 2:
   ``RemoteExpert``\\ s: their forwards and backwards run on the server,
   overlapping, while the gate trains here.
 
-On two machines, run the server command on B with ``MASTER_ADDR`` set to A's
-address, and this file's ``train`` on A.
+Both processes serve one job: this one makes its secret
+(``JobSecret.generate()``, as ``python -m moe_autograd secret`` would) and
+hands it to the server as a file only its owner can read, named by
+``MOE_AUTOGRAD_SECRET_FILE`` in the server's environment (never its
+command line); every message between them is sealed with it. The world
+listens on loopback only (``start_rpc``).
+
+On two machines, copy the secret file to B, run the server command there
+with ``MASTER_ADDR`` set to A's address, and this file's ``train`` on A.
 
     python examples/remote_experts.py           # 4 experts, 30 steps
     python examples/remote_experts.py --small   # what the tests run
 """
 import argparse
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from typing import Dict, Iterable
@@ -46,12 +55,15 @@ def make_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def start_server(port: int) -> "subprocess.Popen[bytes]":
-    """Machine B's command, as a child process of this one."""
+def start_server(port: int, secret_file: str) -> "subprocess.Popen[bytes]":
+    """Machine B's command, as a child process of this one; ``secret_file``:
+    the job's secret (mode 600), named in its environment."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               MOE_AUTOGRAD_SECRET_FILE=secret_file,
                PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])),
                PYTHONWARNINGS=f"ignore:{GLOO_WARNING}")
+    env.pop("MOE_AUTOGRAD_SECRET", None)  # the file is the job's secret
     return subprocess.Popen(
         [sys.executable, "-m", "moe_autograd", "serve", "--experts", "remote_experts:make",
          "--optimizer", "remote_experts:make_optimizer", "--name", "server",
@@ -60,15 +72,18 @@ def start_server(port: int) -> "subprocess.Popen[bytes]":
         env=env)
 
 
-def train(steps: int) -> None:
-    """Machine A: rank 0 of the world, trains through the remote experts."""
+def train(steps: int, port: int) -> None:
+    """Machine A: rank 0 of the world (its store on ``127.0.0.1:port``),
+    trains through the remote experts."""
     import torch.distributed.rpc as rpc
 
     from moe_autograd import MixtureOfExperts, RemoteExpert
+    from moe_autograd.remote import start_rpc
+    from moe_autograd.remote.rpc_bind import backend_options
 
     warnings.filterwarnings("ignore", message=GLOO_WARNING)
-    options = rpc.TensorPipeRpcBackendOptions(_transports=["uv"])  # env:// rendezvous
-    rpc.init_rpc("trainer", rank=0, world_size=2, rpc_backend_options=options)
+    # the store and RPC listen on 127.0.0.1 only; TensorPipe's uv transport
+    start_rpc("trainer", 0, 2, backend_options("127.0.0.1", port, transports=["uv"]))
     try:
         experts = [RemoteExpert("server", f"ffn{i}", forward_timeout=30, backward_timeout=30)
                    for i in range(4)]
@@ -94,21 +109,28 @@ def train(steps: int) -> None:
 
 
 def main() -> None:
+    from moe_autograd.remote import JobSecret, set_job_secret
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="3 steps")
     args = parser.parse_args()
     with socket.socket() as sock:  # a free port for the rendezvous
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    server = start_server(port)
+    secret = JobSecret.generate()  # the job's: this process and its server
+    set_job_secret(secret)
+    private = tempfile.mkdtemp(prefix="moe-job-")  # mode 700: the secret file's home
     try:
-        train(3 if args.small else 30)
-        server.wait(timeout=60)
+        server = start_server(port, secret.save(os.path.join(private, "job.secret")))
+        try:
+            train(3 if args.small else 30, port)
+            server.wait(timeout=60)
+        finally:
+            if server.poll() is None:  # this process failed: do not leave the server behind
+                server.kill()
+                server.wait()
     finally:
-        if server.poll() is None:  # this process failed: do not leave the server behind
-            server.kill()
-            server.wait()
+        shutil.rmtree(private, ignore_errors=True)
     if server.returncode != 0:
         raise SystemExit(f"the server exited with status {server.returncode}")
 

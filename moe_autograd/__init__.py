@@ -37,8 +37,10 @@ from .policy import execution_stats
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .moe import MixtureOfExperts, NotEnoughExperts, grouped_experts, run_experts
-    from .remote import (ExpertServer, RayExpertServer, RayFleet, RayTransport, RemoteExpert,
-                         RemoteExpertError, RemoteTimeoutError)
+    from .remote import (ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
+                         MissingSecretError, NoLiveReplica, RayAuthError, RayExpertServer,
+                         RayFleet, RayTransport, RemoteAuthError, RemoteExpert, RemoteExpertError,
+                         RemoteTimeoutError)
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -62,6 +64,14 @@ __all__ = [
     "RayExpertServer",
     "RayTransport",
     "RayFleet",
+    "RemoteAuthError",
+    "JobSecret",
+    "MissingSecretError",
+    "RayAuthError",
+    "Fleet",
+    "FleetExpert",
+    "ElasticServer",
+    "NoLiveReplica",
 ]
 
 __version__ = "0.1.0"
@@ -79,6 +89,14 @@ _LAZY: Dict[str, str] = {
     "RayExpertServer": ".remote",
     "RayTransport": ".remote",
     "RayFleet": ".remote",
+    "RemoteAuthError": ".remote",
+    "JobSecret": ".remote",
+    "MissingSecretError": ".remote",
+    "RayAuthError": ".remote",
+    "Fleet": ".remote",
+    "FleetExpert": ".remote",
+    "ElasticServer": ".remote",
+    "NoLiveReplica": ".remote",
 }
 
 

@@ -4,6 +4,8 @@ What it shows, on one machine with no arguments:
 
 1. It starts expert server processes on loopback (``torch.distributed.rpc``);
    each hosts experts that apply their own optimizer after every backward.
+   The demo is one job: it makes a new job secret and hands it to each
+   server through its start arguments; every message is sealed with it.
 2. It builds ``embed -> MixtureOfExperts -> head`` whose experts are partly
    local modules and partly :class:`~moe_autograd.remote.RemoteExpert`\\ s; one
    remote expert is flaky (raises now and then) and one is slow (sometimes
@@ -65,10 +67,11 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
+def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any], secret: str) -> None:
+    """A server process (rank ``rank``); ``secret``: the job's, in hex."""
     import torch.distributed.rpc as rpc
 
-    from .remote import ExpertServer
+    from .remote import ExpertServer, JobSecret, set_job_secret, start_rpc
     from .remote.loopback import backend_options
 
     torch.set_num_threads(1)
@@ -77,12 +80,13 @@ def _serve(rank: int, world_size: int, port: int, args: Dict[str, Any]) -> None:
     # servers down in order, so they must not die on their own first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _exit_with_parent()
-    rpc.init_rpc(f"server{rank - 1}", rank=rank, world_size=world_size,
-                 rpc_backend_options=backend_options(port))
+    set_job_secret(JobSecret.from_hex(secret))
     experts = server_experts(rank - 1, args["width"], args["latency"], args["fail_rate"],
                              args["slow_rate"], args["slow_for"])
     lr = args["lr"]
+    # built before joining the world: no request finds it missing
     with ExpertServer(experts, optimizer=lambda params: torch.optim.Adam(params, lr=lr)):
+        start_rpc(f"server{rank - 1}", rank, world_size, backend_options(port))
         rpc.shutdown()  # waits until every worker, the client included, is done
 
 
@@ -189,13 +193,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     dim, width, classes, lr = 8, 32, 4, 3e-3
     task = RegionTask(dim, classes, args.seed)
     world_size = args.servers + 1
+    from .remote import JobSecret, set_job_secret
     from .remote.loopback import free_port
 
+    secret = JobSecret.generate()  # the demo's job: this process and its servers
+    set_job_secret(secret)
     port = free_port()
     ctx = mp.get_context("spawn")
     server_args = {"width": width, "latency": args.latency, "fail_rate": args.fail_rate,
                    "slow_rate": args.slow_rate, "slow_for": args.slow_for, "lr": lr}
-    servers = [ctx.Process(target=_serve, args=(rank, world_size, port, server_args),
+    servers = [ctx.Process(target=_serve,
+                           args=(rank, world_size, port, server_args, secret.hex()),
                            name=f"moe_autograd-demo-server{rank - 1}", daemon=True)
                for rank in range(1, world_size)]
     rpc_up = interrupted = False
@@ -204,14 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             proc.start()
         remote: List[nn.Module] = []
         if servers:
-            import torch.distributed.rpc as rpc
-
-            from .remote import RemoteExpert
+            from .remote import RemoteExpert, start_rpc
             from .remote.loopback import backend_options
 
             print(f"starting {len(servers)} expert servers on 127.0.0.1:{port} ...", flush=True)
-            rpc.init_rpc("client", rank=0, world_size=world_size,
-                         rpc_backend_options=backend_options(port))
+            start_rpc("client", 0, world_size, backend_options(port))
             rpc_up = True
             remote = [RemoteExpert(f"server{i}", f"expert{j}",
                                    forward_timeout=args.forward_timeout, backward_timeout=5.0)

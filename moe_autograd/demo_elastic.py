@@ -20,7 +20,10 @@ What it shows, on one machine with no arguments:
 
 Servers are forked from a forkserver that imported torch once, so a join
 takes a fraction of a second of the trainer's time, not the seconds of a
-fresh interpreter. Every child process is stopped on exit, Ctrl-C included.
+fresh interpreter. The demo is one job: it makes a new job secret, which
+each server gets through its start arguments (servers publish themselves
+signed with it, and the fleet admits only those that prove it). Every child
+process is stopped on exit, Ctrl-C included.
 
 ``--engine ray`` runs the same story on a local Ray cluster whose nodes join,
 die and leave (:mod:`.demo_elastic_ray`); this module parses the options of
@@ -72,15 +75,17 @@ def _watch_parent(parent: int) -> None:
 
 
 def _serve(port: int, name: str, experts: Sequence[str], seed: int, width: int,
-           latency: float, lr: float, parent: int) -> None:
-    """A server process: join, serve until SIGTERM or the founder's stop."""
-    from .remote import ElasticServer, ExpertServer
+           latency: float, lr: float, parent: int, secret: str) -> None:
+    """A server process: join, serve until SIGTERM or the founder's stop.
+    ``secret``: the job's, in hex."""
+    from .remote import ElasticServer, ExpertServer, JobSecret, set_job_secret
     from .remote.loopback import backend_options
 
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the demo process stops us in order
     _watch_parent(parent)
+    set_job_secret(JobSecret.from_hex(secret))
     torch.manual_seed(seed)
     modules = {e: Expert(width, latency) for e in experts}
     server = ExpertServer(modules, optimizer=lambda params: torch.optim.Adam(params, lr=lr))
@@ -92,9 +97,10 @@ def _serve(port: int, name: str, experts: Sequence[str], seed: int, width: int,
 
 
 class _Demo(ChurnLog):
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, args: argparse.Namespace, secret: str) -> None:
         super().__init__(args.quiet)
         self.args = args
+        self.secret = secret  # the job's, in hex: each server's start arguments
         self.ctx = _context()
         self.processes: Dict[str, Any] = {}
 
@@ -102,7 +108,7 @@ class _Demo(ChurnLog):
         a = self.args
         process = self.ctx.Process(target=_serve, name=f"moe_autograd-demo-{name}", daemon=True,
                                    args=(port, name, list(experts), seed, a.width, a.latency,
-                                         a.lr, os.getpid()))
+                                         a.lr, os.getpid(), self.secret))
         process.start()
         self.processes[name] = process
 
@@ -152,7 +158,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from .demo_elastic_ray import run
 
         return run(args)
-    from .remote import Fleet
+    from .remote import Fleet, JobSecret, set_job_secret
     from .remote.loopback import backend_options, free_port
 
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
@@ -160,8 +166,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(1)
     dim, classes = 8, 4
     task = RegionTask(dim, classes, args.seed)
+    secret = JobSecret.generate()  # the demo's job: this process and its servers
+    set_job_secret(secret)
     port = free_port()
-    demo = _Demo(args)
+    demo = _Demo(args, secret.hex())
     fleet: Optional[Any] = None
     interrupted = False
     try:

@@ -9,7 +9,11 @@ torch RPC's dynamic world. What it shows, on one machine with no arguments:
    advertise custom resources (``demo_server_a`` on ``node_a``, ...). The
    expert servers are named actors
    (:class:`~moe_autograd.remote.RayExpertServer`) asking for their
-   resource, so Ray places each on its node.
+   resource, so Ray places each on its node. The cluster requires Ray's
+   token authentication (a token of its own; it and Ray's files live in a
+   private directory, removed at exit: :func:`~.bench.ray_remote.local_ray`),
+   and the demo is one job: a new job secret, which the actors read from a
+   private file (mode 600).
 2. It trains ``embed -> MixtureOfExperts -> head`` on the demos' region task
    (:mod:`.demo_task`); the remote experts are names (``expert0`` ..
    ``expert3``, :class:`~moe_autograd.remote.FleetExpert`) that a
@@ -61,11 +65,13 @@ clean-up) is set again after every node start.
 
 Clean-up, on every exit (an error, Ctrl-C, SIGTERM): the fleet's thread
 stops, the server actors are killed, the driver disconnects
-(``ray.shutdown``) and every node is removed (``Cluster.shutdown``: raylets,
-GCS, their workers); Ray's own reaper and ``atexit`` hooks remove the nodes
-if this process dies before that.
+(``ray.shutdown``), every node is removed (``Cluster.shutdown``: raylets,
+GCS, their workers) and then the private directory (Ray's token and files,
+the job's secret file); Ray's own reaper and ``atexit`` hooks remove the
+nodes if this process dies before that.
 """
 import argparse
+import contextlib
 import functools
 import queue
 import re
@@ -109,10 +115,11 @@ class _RayDemo(ChurnLog):
     """The cluster, its nodes and servers, and the demo's log. Its methods
     run on the main thread (see the module's threads)."""
 
-    def __init__(self, args: argparse.Namespace, cluster: Any) -> None:
+    def __init__(self, args: argparse.Namespace, here: Any) -> None:
         super().__init__(args.quiet)
         self.args = args
-        self.cluster = cluster
+        self.here = here  # the LocalRay: its cluster, its node arguments, the secret file
+        self.cluster = here.cluster
         self.nodes: Dict[str, Any] = {}
         self.servers: Dict[str, Any] = {}
         self.threads: List[threading.Thread] = []
@@ -129,14 +136,14 @@ class _RayDemo(ChurnLog):
         node, experts, seed = LAYOUT[server]
         started = time.monotonic()
         if node not in self.nodes:
-            self.nodes[node] = self.cluster.add_node(
+            self.nodes[node] = self.cluster.add_node(**self.here.node_args(
                 wait=False, num_cpus=0,
-                resources={_resource(s): 1 for s, spec in LAYOUT.items() if spec[0] == node})
+                resources={_resource(s): 1 for s, spec in LAYOUT.items() if spec[0] == node}))
             _catch_sigterm()  # the node set its own handler
         self.servers[server] = RayExpertServer(
             server, functools.partial(make_experts, experts, seed, a.width, a.latency),
             namespace=NAMESPACE, resources={_resource(server): 1}, num_cpus=0,
-            ready_timeout=a.ray_timeout, wait=False,
+            ready_timeout=a.ray_timeout, wait=False, secret_file=self.here.secret_file,
             optimizer=functools.partial(torch.optim.Adam, lr=a.lr))
 
         def check() -> None:
@@ -191,36 +198,24 @@ class _RayDemo(ChurnLog):
                 return
 
     def teardown(self, interrupted: bool) -> None:
-        """Kills the servers, disconnects, removes every node (bounded waits)."""
-        import ray
-
+        """Kills the servers (bounded waits); :func:`_local_cluster` then
+        disconnects and removes every node."""
         for server in list(self.servers.values()):
             server.kill()
         for thread in self.threads:
             thread.join(1.0 if interrupted else 10.0)
-        try:
-            ray.shutdown()
-        finally:
-            self.cluster.shutdown()
 
 
-def _start_cluster(args: argparse.Namespace) -> Any:
-    import ray
-    # A test utility of Ray's public package (see the module docstring):
-    # real nodes (raylets) on one machine, added and removed at will.
-    from ray.cluster_utils import Cluster
+def _local_cluster(secret: Any) -> Any:
+    """The demo's cluster (:func:`~.bench.ray_remote.local_ray`: token
+    authentication, a private directory, loopback), its head node as
+    'ray start --head --num-cpus=0 --include-dashboard=false
+    --include-log-monitor=false' (the driver needs no CPU, logs stay in
+    files), this process its driver; ``secret`` saved for the actors."""
+    from .bench.ray_remote import local_ray
 
-    # As 'ray start --head --num-cpus=0 --include-dashboard=false
-    # --include-log-monitor=false': the driver needs no CPU, logs stay in files.
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False, "include_log_monitor": False})
-    try:
-        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False,
-                 configure_logging=False)
-    except BaseException:
-        cluster.shutdown()
-        raise
-    return cluster
+    return local_ray(cluster=True, head_node_args={"num_cpus": 0}, secret=secret,
+                     namespace=NAMESPACE)
 
 
 class _RayMessages:
@@ -269,9 +264,11 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         print("the Ray demo needs Ray: pip install 'moe_autograd[ray]'", file=sys.stderr)
         return 2
-    from .remote import RayFleet
+    from .remote import JobSecret, RayFleet, set_job_secret
 
     args.drain_timeout = 10.0
+    secret = JobSecret.generate()  # the demo's job: this process and its actors
+    set_job_secret(secret)
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)
     dim, classes = 8, 4
@@ -284,15 +281,15 @@ def run(args: argparse.Namespace) -> int:
     stdout = sys.stdout
     sys.stdout = _RayMessages(stdout)  # type: ignore[assignment]
     demo: Optional[_RayDemo] = None
-    cluster: Any = None
     fleet: Optional[Any] = None
     interrupted = False
+    ray_up = contextlib.ExitStack()
     try:
         started = time.monotonic()
         print("starting a local Ray cluster (a head node, node_a and node_b) ...", flush=True)
-        cluster = _start_cluster(args)
+        here = ray_up.enter_context(_local_cluster(secret))
         _catch_sigterm()
-        demo = _RayDemo(args, cluster)
+        demo = _RayDemo(args, here)
         for server in ("server_a", "server_b"):
             demo.start_server(server)
         fleet = RayFleet(NAMESPACE, poll=0.2, suspect_for=2.0, info_timeout=2.0)
@@ -323,15 +320,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     finally:
         try:
-            if fleet is not None:
-                fleet.shutdown(timeout=2.0)
-            if demo is not None:
-                demo.teardown(interrupted)
-            elif cluster is not None:
-                import ray
-
-                ray.shutdown()
-                cluster.shutdown()
+            try:
+                if fleet is not None:
+                    fleet.shutdown(timeout=2.0)
+                if demo is not None:
+                    demo.teardown(interrupted)
+            finally:
+                ray_up.close()  # disconnect, remove every node and the private files
         finally:
             signal.signal(signal.SIGTERM, previous)
             sys.stdout = stdout

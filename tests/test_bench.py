@@ -117,3 +117,60 @@ def test_grouped_swiglu_matches_the_loop() -> None:
     torch.testing.assert_close(my_dx, dx)
     torch.testing.assert_close(my_dgu[0, :, :hidden], dw1.t())
     torch.testing.assert_close(my_dd[0], dw2.t())
+
+
+_LOCAL_RAY_CHECK = r"""
+import json, os, stat, sys
+import ray
+from moe_autograd.bench.ray_remote import local_ray, own_job_secret
+from moe_autograd.remote import JobSecret, job_secret
+from moe_autograd.remote.ray_engine import token_auth_enabled
+
+env_before = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR")}
+seen = {}
+with own_job_secret() as secret, local_ray(num_cpus=1, secret=secret) as here:
+    mode = lambda path: stat.S_IMODE(os.stat(path).st_mode)
+    seen["dir_mode"] = mode(here.dir)
+    seen["token_mode"] = mode(os.environ["RAY_AUTH_TOKEN_PATH"])
+    seen["token_inside"] = os.environ["RAY_AUTH_TOKEN_PATH"].startswith(here.dir + os.sep)
+    seen["secret_mode"] = mode(here.secret_file)
+    seen["secret_is_the_job's"] = JobSecret.from_file(here.secret_file) == job_secret() == secret
+    seen["token_auth"] = token_auth_enabled()
+    seen["temp_inside"] = ray.get_runtime_context().worker.node.get_temp_dir_path().startswith(
+        here.dir + os.sep)
+    seen["addresses"] = sorted({n["NodeManagerAddress"] for n in ray.nodes()})
+    seen["worker_auth"] = ray.get(ray.remote(num_cpus=0)(
+        lambda: os.environ.get("RAY_AUTH_MODE")).remote(), timeout=120)
+    kept = here.dir
+seen["dir_removed"] = not os.path.exists(kept)
+seen["disconnected"] = not ray.is_initialized()
+seen["env_restored"] = env_before == {k: os.environ.get(k) for k in env_before}
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.timeout(240)
+def test_local_ray_is_private_and_authenticated(tmp_path) -> None:
+    """The benches' and demos' Ray (bench.ray_remote.local_ray): token
+    authentication on in the driver and its workers, the token, Ray's files
+    and the job secret in a private directory removed at exit (nothing in
+    the user's ~/.ray), nodes on loopback, the environment restored."""
+    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, HOME=str(tmp_path))  # a ~/.ray written would show here
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR", "RAY_ADDRESS"):
+        env.pop(name, None)
+    proc = subprocess.run([sys.executable, "-c", _LOCAL_RAY_CHECK], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"dir_mode": 0o700, "token_mode": 0o600, "token_inside": True,
+                    "secret_mode": 0o600, "secret_is_the_job's": True, "token_auth": True,
+                    "temp_inside": True, "addresses": ["127.0.0.1"], "worker_auth": "token",
+                    "dir_removed": True, "disconnected": True, "env_restored": True}, seen
+    assert not os.path.exists(tmp_path / ".ray"), os.listdir(tmp_path / ".ray")

@@ -12,8 +12,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 
 
-def _run(script: str, timeout: float = 240) -> List[str]:
-    env = dict(os.environ)
+def _run(script: str, timeout: float = 240, **env_vars: str) -> List[str]:
+    env = dict(os.environ, **env_vars)
     env.pop("MOE_AUTOGRAD_WORKERS", None)
     proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--small"],
                           cwd=REPO_ROOT, env=env, capture_output=True, text=True,
@@ -47,10 +47,15 @@ def test_checkpointed_experts():
 
 
 @pytest.mark.timeout(300)
-def test_remote_experts():
-    lines = _run("remote_experts.py")
+def test_remote_experts(tmp_path):
+    """The trainer and its server (a ``serve`` subprocess) share the job
+    secret that the example makes, through a private file (mode 600) it
+    removes at exit (its temporary files go to ``tmp_path`` here)."""
+    lines = _run("remote_experts.py", TMPDIR=str(tmp_path))
     assert sum(line.startswith("step ") for line in lines) == 3
     assert lines[-1] == "calls per expert: [3, 3, 3, 3]"
+    left = [f for f in os.listdir(tmp_path) if f.startswith("moe-job-")]
+    assert left == [], left  # the secret file's private directory is gone
 
 
 @pytest.mark.timeout(300)

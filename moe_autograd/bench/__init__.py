@@ -37,6 +37,9 @@ Groups
     :mod:`.checkpoint`: memory kept for backward and time of checkpointed
     calls (with and without dropout); early recomputation; the cost of the
     per-call random stream.
+``wire``
+    :mod:`.wire`: what the remote wire (a schema, no pickle) and its
+    authentication (HMAC-SHA256) cost per pass, against pickle.
 ``remote``
     :mod:`.remote`: remote experts against ``torch.distributed.autograd``.
 ``ray``
@@ -125,6 +128,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "checkpoint": bench_checkpoint,
     "recompute-early": bench_recompute_early,
     "rng": bench_rng,
+    "wire": lambda quick: importlib.import_module(f"{__name__}.wire").bench_wire(quick),
     "remote": _external("remote", f"{__name__}.remote"),
     "ray": _external("ray", f"{__name__}.ray_remote"),
     "moe": _external("moe", "moe_autograd.moe.bench"),
@@ -189,6 +193,11 @@ NOTES: Dict[str, str] = {
                  "inside each expert's kernels, so the best the layer can do is cost nothing "
                  "extra (auto mode runs such calls inline or in lanes, see moe_autograd.policy); "
                  "the 256-expert row is dominated by per-call costs (32 tokens per expert).",
+    "wire": "No engine: the CPU both ends of a connection spend encoding, sealing, opening "
+            "and decoding the messages (moe_autograd.remote.wire, .auth), against pickling "
+            "the old messages. On RPC, TensorPipe moved tensors without pickling them before "
+            "and still does (they are buffers beside the frame); on Ray, torch's reducers "
+            "pickled them.",
     "remote": "Loopback RPC on this machine: every message costs CPU on both ends, so with few "
               "cores the L = 5 ms rows are CPU-bound; the L = 50 ms rows show the "
               "latency-bound behaviour. Ours sends one request per server and pass "

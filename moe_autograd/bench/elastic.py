@@ -24,6 +24,10 @@ Rows:
   to that first served call (ours) against the median step (baseline). The
   note also gives how long the join itself took in the server.
 
+Every process serves one job: :func:`run` makes a new
+:class:`~moe_autograd.remote.JobSecret` and hands it to each process through
+its start arguments (never argv or the environment).
+
 ``python -m moe_autograd.bench.elastic [--quick]`` prints the rows alone.
 """
 import multiprocessing
@@ -105,13 +109,15 @@ def _context() -> Any:
 
 
 def _server(port: int, name: str, experts: Sequence[str], go: Any, joined: Any,
-            parent: int) -> None:
+            parent: int, secret: str) -> None:
     """A server: waits for ``go``, joins, reports ``(name, seconds the join
-    took, wall time of publication)``, serves until SIGTERM or the stop."""
-    from ..remote import ElasticServer, ExpertServer
+    took, wall time of publication)``, serves until SIGTERM or the stop.
+    ``secret``: the job's, in hex."""
+    from ..remote import ElasticServer, ExpertServer, JobSecret, set_job_secret
     from ..remote.loopback import backend_options
 
     torch.set_num_threads(1)
+    set_job_secret(JobSecret.from_hex(secret))
     server = ExpertServer({e: _Sleepy() for e in experts})
     elastic = ElasticServer(server, name, options=backend_options(port, rpc_timeout=30.0),
                             linger=0.3)
@@ -128,7 +134,10 @@ def _server(port: int, name: str, experts: Sequence[str], go: Any, joined: Any,
     os._exit(0)
 
 
-def _trainer(port: int, quick: bool, plan: Dict[str, Any], results: Any) -> None:
+def _trainer(port: int, quick: bool, plan: Dict[str, Any], results: Any, secret: str) -> None:
+    from ..remote import JobSecret, set_job_secret
+
+    set_job_secret(JobSecret.from_hex(secret))
     try:
         results.put(("ok", _train(port, quick, plan)))
     except BaseException as error:  # noqa: BLE001 - reported to the parent
@@ -227,12 +236,14 @@ def _rows(result: Dict[str, Any], pairs: int) -> List[Dict[str, Any]]:
 def run(quick: bool = False) -> List[Dict[str, Any]]:
     """Starts the world, measures, tears it down; returns the rows (dicts with
     ``name, baseline_ms, ours_ms, ratio, goal, note``)."""
+    from ..remote import JobSecret
     from ..remote.loopback import free_port, stop_processes
 
     pairs = 2 if quick else 4
     join_samples = 2 if quick else 3
     port = free_port()
     ctx = _context()
+    secret = JobSecret.generate().hex()  # the world's job: passed in start arguments only
     joined = ctx.Queue()
     results = ctx.Queue()
     servers: Dict[str, Any] = {}
@@ -242,7 +253,8 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
     for name, experts in layout.items():
         gos[name] = ctx.Event()
         servers[name] = ctx.Process(target=_server, name=f"bench-elastic-{name}", daemon=True,
-                                    args=(port, name, experts, gos[name], joined, os.getpid()))
+                                    args=(port, name, experts, gos[name], joined, os.getpid(),
+                                          secret))
     started: List[Any] = []
     try:
         for process in servers.values():
@@ -250,7 +262,7 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
             started.append(process)
         plan = {"go": gos, "joined": joined, "pairs": pairs, "join_samples": join_samples,
                 "pids": {n: p.pid for n, p in servers.items()}}
-        trainer = ctx.Process(target=_trainer, args=(port, quick, plan, results),
+        trainer = ctx.Process(target=_trainer, args=(port, quick, plan, results, secret),
                               name="bench-elastic-trainer", daemon=True)
         trainer.start()
         started.insert(0, trainer)

@@ -116,11 +116,12 @@ def _leave(server: Any, done: threading.Event) -> None:
         done.set()
 
 
-def _measure(quick: bool) -> Dict[str, Any]:
+def _measure(quick: bool, secret_file: Optional[str]) -> Dict[str, Any]:
     import ray
 
-    from ..remote import RayFleet, RayTransport
-    from ..remote.ray_backend import RayExpertServer
+    from ..remote import RayFleet
+    from ..remote.ray_engine import RayTransport
+    from ..remote.ray_server import RayExpertServer
 
     pairs = 2 if quick else 4
     join_samples = 2 if quick else 3
@@ -137,7 +138,7 @@ def _measure(quick: bool) -> Dict[str, Any]:
         for name, hosted in layout.items():
             servers[name] = RayExpertServer(
                 name, functools.partial(gated_server, name, hosted), namespace=NAMESPACE,
-                num_cpus=0, wait=False, ready_timeout=120.0)
+                num_cpus=0, wait=False, ready_timeout=120.0, secret_file=secret_file)
         # every server is built and waits for its cue before anything is timed
         deadline = time.monotonic() + 300
         while len(ray.get(gate.waiting.remote(), timeout=30)) < len(layout):
@@ -247,7 +248,8 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
     :func:`~moe_autograd.bench.ray_remote.run_on_local_ray`)."""
     from .ray_remote import run_on_local_ray
 
-    return run_on_local_ray("ray-elastic", lambda: _rows(_measure(quick)))
+    return run_on_local_ray("ray-elastic",
+                            lambda secret_file: _rows(_measure(quick, secret_file)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

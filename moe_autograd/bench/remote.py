@@ -39,8 +39,11 @@ count shapes the torch baseline, whose L = 50 ms time grows by half with 2
 servers x 8 experts), ``--quick`` only cuts repetitions. The client runs in a
 child process too (a process joins one RPC world in its life), so :func:`run`
 can be called from anywhere; the processes are forked from a forkserver that
-imported torch once (see :func:`_context`). ``python -m
-moe_autograd.bench.remote [--quick]`` prints the rows alone.
+imported torch once (see :func:`_context`). Every process of a world serves
+one job: :func:`run` makes a new :class:`~moe_autograd.remote.JobSecret` and
+hands it to each process through its start arguments (never argv or the
+environment). ``python -m moe_autograd.bench.remote [--quick]`` prints the
+rows alone.
 
 ``python -m moe_autograd.bench.remote --straggler`` measures something else
 (issue 18, not a row of the table): the CPU seconds a *masked straggler*
@@ -298,14 +301,24 @@ def _measure_moe(quick: bool, servers: Sequence[str]) -> Dict[str, List[float]]:
     return measure(variants, plan.reps, plan.warmup)
 
 
-def _client_main(port: int, quick: bool, servers: Sequence[str], queue: Any) -> None:
+def _join_job(secret: str) -> None:
+    """A process of the bench's world: the job's secret (hex, from its start
+    arguments) becomes its default."""
+    from ..remote import JobSecret, set_job_secret
+
+    set_job_secret(JobSecret.from_hex(secret))
+
+
+def _client_main(port: int, quick: bool, servers: Sequence[str], queue: Any,
+                 secret: str) -> None:
     from torch.distributed import rpc
 
+    from ..remote import start_rpc
     from ..remote.loopback import backend_options
 
     torch.set_num_threads(1)
-    rpc.init_rpc("bench-client", rank=0, world_size=1 + len(servers),
-                 rpc_backend_options=backend_options(port, rpc_timeout=60.0))
+    _join_job(secret)
+    start_rpc("bench-client", 0, 1 + len(servers), backend_options(port, rpc_timeout=60.0))
     try:
         queue.put(("ok", _measure(quick, servers)))
     except BaseException as error:  # noqa: BLE001 - report, then leave the world
@@ -355,16 +368,20 @@ def _result(queue: Any, client: Any, timeout: float) -> Tuple[str, Any]:
 def run(quick: bool = False) -> List[Dict[str, Any]]:
     """Starts the loopback world, measures, tears it down; returns the rows
     (dicts with ``name, baseline_ms, ours_ms, ratio, goal, note``)."""
-    from ..remote.loopback import free_port, serve_in_process, stop_processes
+    from ..remote import JobSecret
+    from ..remote.loopback import free_port, serve_in_process
 
     servers = SERVERS
     port = free_port()
     ctx = _context()
+    secret = JobSecret.generate().hex()  # the world's job: passed in start arguments only
     processes = [ctx.Process(target=serve_in_process, name=f"expert-server-{name}", daemon=True,
-                             args=(port, 1 + k, 1 + len(servers), name, f"{__name__}:_setup"))
+                             args=(port, 1 + k, 1 + len(servers), name, f"{__name__}:_setup"),
+                             kwargs={"secret": secret})
                  for k, name in enumerate(servers)]
     queue = ctx.Queue()
-    processes.append(ctx.Process(target=_client_main, args=(port, quick, servers, queue),
+    processes.append(ctx.Process(target=_client_main,
+                                 args=(port, quick, servers, queue, secret),
                                  name="bench-client", daemon=True))
     return _run_world(processes, queue, "bench.remote")
 
@@ -405,10 +422,15 @@ class _Straggler(nn.Module):
         return self.lin(x)
 
 
-def _straggler_setup() -> List[Any]:
-    """Server process of the straggler world: a fast and a slow expert."""
-    from ..remote import ExpertServer
+CPU_SECONDS_OP = "bench.cpu_seconds"  # the straggler server's operation: its CPU seconds
 
+
+def _straggler_setup() -> List[Any]:
+    """Server process of the straggler world: a fast and a slow expert, and
+    the operation that reads its CPU seconds."""
+    from ..remote import ExpertServer, register_operation
+
+    register_operation(CPU_SECONDS_OP, _cpu_seconds)
     return [ExpertServer({"fast": nn.Linear(WIDTH, WIDTH), "slow": _Straggler(STRAGGLER_S)})]
 
 
@@ -419,16 +441,16 @@ def _cpu_seconds() -> float:
 
 
 class _CountingTransport:
-    """The default transport, counting the messages sent."""
+    """The default transport, counting the messages (frames) sent."""
 
     name = "counting"
 
     def __init__(self, inner: Any) -> None:
         self.inner, self.sent = inner, 0
 
-    def call(self, worker: str, fn: Any, args: Any, timeout: Any) -> Any:
+    def call(self, worker: str, frame: Any, timeout: Any) -> Any:
         self.sent += 1
-        return self.inner.call(worker, fn, args, timeout)
+        return self.inner.call(worker, frame, timeout)
 
     def local_name(self) -> str:
         return str(self.inner.local_name())
@@ -441,10 +463,8 @@ def _measure_straggler(server: str) -> Dict[str, Dict[str, float]]:
     """Per masked call: client and server CPU seconds and messages, for a
     straggler with no deadline of its own and with one longer than the
     layer's (both above the layer's ``forward_timeout``)."""
-    from torch.distributed import rpc
-
     from ..moe import MixtureOfExperts
-    from ..remote import RemoteExpert
+    from ..remote import RemoteExpert, call_operation
     from ..remote.transport import get_transport
 
     out: Dict[str, Dict[str, float]] = {}
@@ -461,14 +481,14 @@ def _measure_straggler(server: str) -> Dict[str, Dict[str, float]]:
             layer(x)  # (the slow one is masked: wait it out)
         time.sleep(STRAGGLER_S + 0.3)
         sent0, client0 = transport.sent, _cpu_seconds()
-        server0 = rpc.rpc_sync(server, _cpu_seconds)
+        server0 = call_operation(server, CPU_SECONDS_OP)
         start = time.monotonic()
         for _ in range(STRAGGLER_CALLS):
             with torch.no_grad():
                 layer(x)
             time.sleep(STRAGGLER_S + 0.3)  # the straggler ends on the server meanwhile
         wall = time.monotonic() - start
-        server1 = rpc.rpc_sync(server, _cpu_seconds)
+        server1 = call_operation(server, CPU_SECONDS_OP)
         client1, sent1 = _cpu_seconds(), transport.sent
         masked = int(str(layer.stats()[1]["timeouts"])) - 1  # the slow one's, less the warm-up's
         n = max(masked, 1)
@@ -479,14 +499,15 @@ def _measure_straggler(server: str) -> Dict[str, Dict[str, float]]:
     return out
 
 
-def _straggler_client(port: int, server: str, queue: Any) -> None:
+def _straggler_client(port: int, server: str, queue: Any, secret: str) -> None:
     from torch.distributed import rpc
 
+    from ..remote import start_rpc
     from ..remote.loopback import backend_options
 
     torch.set_num_threads(1)
-    rpc.init_rpc("straggler-client", rank=0, world_size=2,
-                 rpc_backend_options=backend_options(port, rpc_timeout=60.0))
+    _join_job(secret)
+    start_rpc("straggler-client", 0, 2, backend_options(port, rpc_timeout=60.0))
     try:
         queue.put(("ok", _measure_straggler(server)))
     except BaseException as error:  # noqa: BLE001 - report, then leave the world
@@ -502,15 +523,18 @@ def run_straggler() -> Dict[str, Dict[str, float]]:
     (no CPU of its own); per masked call, the CPU seconds of the client and
     server processes from the layer's call until the straggler ended, and
     the messages the client sent."""
-    from ..remote.loopback import free_port, serve_in_process, stop_processes
+    from ..remote import JobSecret
+    from ..remote.loopback import free_port, serve_in_process
 
     server = "straggler-srv"
     port = free_port()
     ctx = _context()
     queue = ctx.Queue()
+    secret = JobSecret.generate().hex()  # the world's job: passed in start arguments only
     processes = [ctx.Process(target=serve_in_process, name="expert-server-straggler", daemon=True,
-                             args=(port, 1, 2, server, f"{__name__}:_straggler_setup")),
-                 ctx.Process(target=_straggler_client, args=(port, server, queue),
+                             args=(port, 1, 2, server, f"{__name__}:_straggler_setup"),
+                             kwargs={"secret": secret}),
+                 ctx.Process(target=_straggler_client, args=(port, server, queue, secret),
                              name="straggler-client", daemon=True)]
     return _run_world(processes, queue, "bench.remote straggler")
 

@@ -53,6 +53,9 @@ Invariants:
 * A session forgotten by a server (idle for more than ``max_clock_skew``)
   cannot be replayed: all its messages are stale by then. The windows are
   bounded: :data:`MAX_SESSIONS` per gate, else new sessions are refused.
+  Known limit: a server process that restarts starts with empty windows, so
+  a request captured on the network within the last ``max_clock_skew`` can
+  be replayed to it once (the README's "Security" says so).
 * A forked child gets sessions of its own (never its parent's numbers).
 """
 import binascii
@@ -86,7 +89,8 @@ _MASK = (1 << WINDOW) - 1
 
 #: Refusal codes (a refusal frame's ``code``) and their names.
 REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
-                           5: "replay", 6: "too many sessions", 7: "not addressed here"}
+                           5: "replay", 6: "too many sessions", 7: "not addressed here",
+                           8: "not the owner", 9: "name taken"}
 _CODES = {name: code for code, name in REASONS.items()}
 _HELP = {
     "unknown job": "the request was sealed with a secret this server does not have (another "
@@ -98,6 +102,8 @@ _HELP = {
     "too many sessions": "this server tracks too many client sessions",
     "malformed": "the message is not a well-formed request",
     "not addressed here": "the request names another server",
+    "not the owner": "the request asks for a call or a batch of another client's session",
+    "name taken": "the name is held by a live server of the fleet",
 }
 _log = logging.getLogger(__name__)
 
@@ -125,13 +131,19 @@ class JobSecret:
     """A job's shared secret (see the module docstring). ``repr`` shows the
     key id only."""
 
-    __slots__ = ("_key", "key_id")
+    __slots__ = ("_key", "key_id", "_inner", "_outer")
 
     def __init__(self, key: bytes) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) < KEY_BYTES:
             raise ValueError(f"a job secret is at least {KEY_BYTES} bytes")
         self._key = bytes(key)
         self.key_id = hashlib.sha256(b"moe_autograd key id\0" + self._key).digest()[:KEY_ID_BYTES]
+        # HMAC-SHA256 (RFC 2104) with its two keyed states made once: a MAC is
+        # then two copies and C updates, with no Python frame per part.
+        block = self._key if len(self._key) <= 64 else hashlib.sha256(self._key).digest()
+        block = block.ljust(64, b"\0")
+        self._inner = hashlib.sha256(bytes(b ^ 0x36 for b in block))
+        self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
     @classmethod
     def generate(cls) -> "JobSecret":
@@ -192,10 +204,14 @@ class JobSecret:
         return self._key.hex()
 
     def mac(self, parts: Iterable[Any]) -> bytes:
-        h = hmac.new(self._key, digestmod=hashlib.sha256)
+        """HMAC-SHA256 of the concatenation of ``parts`` (equal to
+        ``hmac.new(key, b"".join(parts), "sha256").digest()``)."""
+        inner = self._inner.copy()
         for part in parts:
-            h.update(part)
-        return h.digest()
+            inner.update(part)
+        outer = self._outer.copy()
+        outer.update(inner.digest())
+        return outer.digest()
 
     def sign(self, *texts: str) -> str:
         """A hex MAC of ``texts`` (length-prefixed), for records kept outside
@@ -218,12 +234,15 @@ class JobSecret:
 _default: Optional[JobSecret] = None
 
 
-def set_job_secret(secret: Optional[JobSecret]) -> None:
-    """This process's default secret (``None``: back to the environment)."""
+def set_job_secret(secret: Optional[JobSecret]) -> Optional[JobSecret]:
+    """Sets this process's default secret (``None``: back to the
+    environment's); returns the one set before (``None`` if none was), so
+    that a caller can put it back."""
     global _default
     if secret is not None and not isinstance(secret, JobSecret):
         raise TypeError(f"set_job_secret expects a JobSecret, got {type(secret).__name__}")
-    _default = secret
+    previous, _default = _default, secret
+    return previous
 
 
 def job_secret() -> JobSecret:
@@ -272,16 +291,16 @@ def _warn(key: str, message: str) -> None:
 
 def note_peer_refusals(worker: str, total: Any) -> None:
     """A server's reply said it has refused ``total`` requests so far: warns
-    (here, in the trainer) when that grew."""
-    if type(total) is not int or total <= 0:
+    (here, in the trainer) when that grew since its last reply."""
+    if type(total) is not int or total < 0:
         return
     with _stats_lock:
         before = _peers.get(worker, 0)
-        _peers[worker] = max(before, total)
+        _peers[worker] = total  # a restarted server counts from 0 again
     if total > before:
         _warn(f"peer:{worker}", f"server {worker!r} reports {total} refused request(s) "
-              f"({total - before} new): someone without this job's secret is trying to use it "
-              "(see the server's log)")
+              f"({total - before} new): requests without this job's secret, replays, or calls "
+              "of another client's session (see the server's log)")
 
 
 def security_stats() -> Dict[str, Dict[str, int]]:
@@ -291,7 +310,7 @@ def security_stats() -> Dict[str, Dict[str, int]]:
     here reported, by server)."""
     with _stats_lock:
         return {"refused": dict(_refused), "rejected_replies": dict(_rejected),
-                "peer_refusals": dict(_peers)}
+                "peer_refusals": {w: n for w, n in _peers.items() if n}}
 
 
 # -- the client's side --------------------------------------------------------------------
@@ -299,21 +318,21 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _mac_parts(name: str, head: bytes, header: Header, buffers: Sequence[Any]) -> List[Any]:
+def _mac_parts(name: str, head: bytes, header: Header) -> List[Any]:
     label = name.encode()
     parts: List[Any] = [len(label).to_bytes(4, "little"), label,
                         memoryview(head)[:header.mac_start], memoryview(head)[header.body_start:]]
-    parts.extend(buffer_view(b) for b in buffers)
+    parts.extend(header.views)
     return parts
 
 
 def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, body: bytes,
           buffers: Sequence[Any]) -> bytes:
-    lengths = [buffer_view(b).nbytes for b in buffers]
-    head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body), lengths)
+    views = [buffer_view(b) for b in buffers]
+    head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body),
+                      [v.nbytes for v in views])
     label = name.encode()
-    mac = secret.mac([len(label).to_bytes(4, "little"), label, head, body]
-                     + [buffer_view(b) for b in buffers])
+    mac = secret.mac([len(label).to_bytes(4, "little"), label, head, body, *views])
     return head + mac + body
 
 
@@ -353,7 +372,7 @@ class Session:
         if header.kind != REPLY or header.key_id != self.secret.key_id \
                 or header.session != self.id or header.seq != seq:
             raise self._reject(worker, "a reply that answers no request of this client")
-        parts = _mac_parts(worker, frame.head, header, frame.buffers)
+        parts = _mac_parts(worker, frame.head, header)
         mac = frame.head[header.mac_start:header.body_start]
         if not hmac.compare_digest(mac, self.secret.mac(parts)):
             raise self._reject(worker, "a reply whose MAC does not verify (not sealed with "
@@ -472,7 +491,7 @@ class Gate:
             raise self.refuse("unknown job", f"a request sealed with key id "
                                              f"{header.key_id.hex()}, not a job served here")
         secret = known[0]
-        parts = _mac_parts(me, frame.head, header, frame.buffers)
+        parts = _mac_parts(me, frame.head, header)
         if not hmac.compare_digest(frame.head[header.mac_start:header.body_start],
                                    secret.mac(parts)):
             raise self.refuse("bad MAC", f"a request whose MAC does not verify (key id "

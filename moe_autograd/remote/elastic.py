@@ -63,7 +63,7 @@ __all__ = ["ElasticServer", "serve_joined", "default_name"]
 MembershipError = membership.MembershipError
 
 
-def _options_address(options: Any) -> Any:
+def _options_address(options: Any) -> Tuple[str, int]:
     return membership.store_address(options.init_method)
 
 

@@ -104,9 +104,11 @@ def _call_operation(caller: Caller, request: Dict[str, Any]) -> Reply:
     if not isinstance(args, list):
         return ["error", "TypeError: an operation's args must be a list"]
     try:
-        return ["ok", fn(*args)]
+        result = fn(*args)
+        wire.check_value(result, f"the result of operation {name!r}")
     except Exception as error:  # noqa: BLE001 - the caller's error
         return ["error", error_text(error, tail=True)]
+    return ["ok", result]
 
 
 register("call", _call_operation)

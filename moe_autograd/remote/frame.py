@@ -86,6 +86,7 @@ class Header:
     body_start: int
     body_len: int
     lengths: List[int]
+    views: List[memoryview]  # the buffers' bytes (checked against ``lengths``)
 
     @property
     def mac_start(self) -> int:
@@ -97,7 +98,8 @@ def buffer_view(buffer: Any) -> memoryview:
     if isinstance(buffer, (bytes, bytearray, memoryview)):
         view = memoryview(buffer)
     elif hasattr(buffer, "numpy") and hasattr(buffer, "dtype"):  # a torch tensor
-        view = memoryview(buffer.detach().numpy())
+        view = memoryview(buffer.numpy() if not buffer.requires_grad
+                          else buffer.detach().numpy())
     else:
         view = memoryview(buffer)  # a NumPy array, or anything with the buffer protocol
     if not view.contiguous:
@@ -158,12 +160,14 @@ def parse(frame: Frame) -> Header:
         raise FrameError(f"the header announces {n} buffers, "
                          f"{len(buffers) if isinstance(buffers, (list, tuple)) else '?'} arrived")
     lengths = [_LENGTH.unpack_from(head, _FIXED.size + _LENGTH.size * k)[0] for k in range(n)]
+    views = []
     for k, (length, buffer) in enumerate(zip(lengths, buffers)):
         try:
-            actual = buffer_view(buffer).nbytes
+            view = buffer_view(buffer)
         except Exception as error:  # noqa: BLE001 - whatever an engine handed over
             raise FrameError(f"buffer {k} is not a byte buffer ({type(buffer).__name__}: "
                              f"{error})") from error
-        if actual != length:
-            raise FrameError(f"buffer {k} has {actual} bytes, the header says {length}")
-    return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths)
+        if view.nbytes != length:
+            raise FrameError(f"buffer {k} has {view.nbytes} bytes, the header says {length}")
+        views.append(view)
+    return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths, views)

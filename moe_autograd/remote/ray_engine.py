@@ -122,7 +122,8 @@ def token_auth_enabled() -> Optional[bool]:
     Ray servers refuse calls without the cluster's token); ``None`` if this
     Ray cannot tell."""
     try:
-        from ray._raylet import AuthenticationMode, get_authentication_mode
+        from ray._raylet import (AuthenticationMode,  # type: ignore[attr-defined]
+                                 get_authentication_mode)
     except ImportError:
         return None
     return bool(get_authentication_mode() == AuthenticationMode.TOKEN)

@@ -52,6 +52,8 @@ Invariants:
   last record until its pending ``info()`` is ``info_timeout`` old, then
   is left out (silent), and a server that joined meanwhile is seen at the
   next poll.
+* The watch thread stops at :meth:`shutdown` or at interpreter exit, before
+  Ray's own exit hook shuts Ray down.
 * Polls are serialised (one lock); :meth:`replicas` never blocks on one,
   and :meth:`refresh_on_miss` (a call that found no replica; it asks only
   servers not in the roster) skips its poll while another one runs: the
@@ -62,8 +64,10 @@ Invariants:
   :meth:`first_served` and the "lost" event are per incarnation, so a
   replacement started under a dead server's name counts as new.
 """
+import atexit
 import threading
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 from .auth import JobSecret, resolve_secret
@@ -76,6 +80,17 @@ from .transport import Transport, check_timeout
 __all__ = ["RayFleet", "POLL_WAIT_S"]
 
 POLL_WAIT_S = 0.05  # how long a poll waits for the answers to the info() it sent
+_fleets: "weakref.WeakSet[RayFleet]" = weakref.WeakSet()
+_hooked: List[bool] = []
+
+
+def _stop_at_exit() -> None:
+    """Stops every fleet's watch thread before Ray shuts down at exit (this
+    hook is registered after ``ray.init``'s, so it runs first): a thread still
+    inside a Ray call when Ray's core worker is gone makes Ray end the
+    process before the script's own exit status."""
+    for fleet in list(_fleets):
+        fleet.shutdown(timeout=1.0)
 
 
 class RayFleet:
@@ -123,6 +138,10 @@ class RayFleet:
         self._thread = threading.Thread(target=self._watch, daemon=True,
                                         name="moe_autograd-ray-fleet")
         self._thread.start()
+        _fleets.add(self)
+        if not _hooked:
+            _hooked.append(True)
+            atexit.register(_stop_at_exit)
 
     # -- the roster ---------------------------------------------------------------------
     def _watch(self) -> None:

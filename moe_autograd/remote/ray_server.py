@@ -48,7 +48,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import endpoint
-from .auth import ENV_SECRET_FILE, JobSecret, job_secret, set_job_secret
+from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
 from .channel import request
 from .factory import load_object
 from .ray_engine import (NAMESPACE, RayTransport, _ray, forget_everywhere, require_token_auth,
@@ -115,10 +115,11 @@ class _ExpertActor:
         within their poll), serves for at least ``linger`` seconds and until
         no request runs and no state is held (at most ``timeout``), then
         closes. Replies what was left when it closed."""
-        linger, timeout = request.get("linger"), request.get("timeout")
+        values = (request.get("linger"), request.get("timeout"))
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
-                   for v in (linger, timeout)):
+                   for v in values):
             return ["error", "TypeError: drain needs linger and timeout, non-negative seconds"]
+        linger, timeout = float(values[0]), float(values[1])  # type: ignore[arg-type]
         set_host_info(state="draining")
         start = time.monotonic()
         while True:
@@ -168,12 +169,21 @@ atexit.register(_remove_private_dirs)
 
 def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret]:
     """The file the actor reads the secret from, and the secret (see the
-    module docstring)."""
-    path = secret_file or os.environ.get(ENV_SECRET_FILE)
-    if path:
-        path = os.path.abspath(path)
+    module docstring): ``secret_file``, else this process's job secret
+    (:func:`~.auth.job_secret`: the default set here, else the
+    environment's), through the file ``MOE_AUTOGRAD_SECRET_FILE`` names when
+    that file holds it, else through a private copy."""
+    if secret_file:
+        path = os.path.abspath(secret_file)
         return path, JobSecret.from_file(path)
     secret = job_secret()
+    named = os.environ.get(ENV_SECRET_FILE)
+    if named:
+        try:
+            if JobSecret.from_file(named) == secret:
+                return os.path.abspath(named), secret
+        except (OSError, ValueError, MissingSecretError):
+            pass
     if not _private_dirs:
         _private_dirs.append(tempfile.mkdtemp(prefix="moe_autograd-secret-"))  # mode 700
     path = os.path.join(_private_dirs[0], f"{secret.key_id.hex()}.secret")

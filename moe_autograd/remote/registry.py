@@ -180,6 +180,8 @@ class Registry:
                     and self.secret.verify(entry[1] if len(entry) > 1 else None, "roster",
                                            record.name, str(entry[0])) \
                     and live(record.name, int(entry[0])):
+                refuse("name taken", f"a publication of {record.name!r} (rank {record.rank}) "
+                                     f"while rank {entry[0]} holds it")
                 raise NameTaken(f"the name {record.name!r} is published by a live server "
                                 f"(rank {entry[0]}); choose another name")
         check(self._entries(self._get(self._key("roster"))))

@@ -72,7 +72,9 @@ class Resolver(Protocol):
     or :class:`~moe_autograd.remote.ray_fleet.RayFleet` (Ray)."""
 
     transport: Transport
-    secret: Optional[JobSecret]
+
+    @property
+    def secret(self) -> Optional[JobSecret]: ...
 
     def replicas(self, expert: str) -> List[str]: ...
 

@@ -3,11 +3,15 @@
 Why: :mod:`torch.distributed.rpc` (TensorPipe) needs no service and moves
 tensors without copying them into a message. Here it carries
 :class:`~.frame.Frame` s only: a request is ``rpc_async(worker, _receive,
-args=(head, buffers))``, where ``head`` is bytes and ``buffers`` 1-D uint8
-tensors, and ``_receive`` hands the frame to :func:`.endpoint.serve` and
-returns the reply's ``(head, buffers)``. No other function of ours is ever
-called by RPC, and ``_receive`` runs nothing its frame names but a
-registered operation.
+args=(head, carried))``, where ``head`` is bytes and ``carried`` the
+frame's buffers as 1-D uint8 tensors: ONE tensor holding them back to back
+when they are small (:data:`BLOB_MAX_BYTES` in all: TensorPipe then handles
+one tensor per message instead of one per buffer), else a list of them
+(large tensors are not copied); the receiver splits a blob by the lengths
+the header announces. ``_receive`` hands the frame to
+:func:`.endpoint.serve` and returns the reply's ``(head, carried)``. No
+other function of ours is ever called by RPC, and ``_receive`` runs nothing
+its frame names but a registered operation.
 
 Trust: TensorPipe unpickles every RPC (the function's reference and its
 arguments) before ``_receive`` runs, so a member of the world can run any
@@ -39,17 +43,48 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
 
 from . import endpoint
-from .frame import Frame
+from .frame import Frame, FrameError, buffer_lengths
 from .transport import (WAIT_SLICE_S, Engine, Pending, TransportError, TransportSendError,
                         TransportTimeout, check_timeout, register_engine)
 
-__all__ = ["RpcTransport", "rpc_running", "in_flight", "EXIT_SETTLE_S", "RPC_RESOLUTION_S"]
+__all__ = ["RpcTransport", "rpc_running", "in_flight", "EXIT_SETTLE_S", "RPC_RESOLUTION_S",
+           "BLOB_MAX_BYTES"]
 
 RPC_RESOLUTION_S = 0.001  # the agent keeps whole milliseconds, and 0 means no limit at all
 EXIT_SETTLE_S = 0.5  # at exit, how long requests in flight get to end by themselves
+BLOB_MAX_BYTES = 1 << 20  # buffers up to this many bytes in all travel as one tensor
+
+
+def _carry(buffers: Sequence[Any]) -> Union[Tensor, List[Any]]:
+    """What RPC carries of a frame's buffers (see the module docstring)."""
+    if len(buffers) > 1 and sum(int(b.numel()) for b in buffers) <= BLOB_MAX_BYTES:
+        return torch.cat([b.reshape(-1) for b in buffers])
+    return list(buffers)
+
+
+def _uncarry(head: Any, carried: Any) -> List[Any]:
+    """The buffers of a frame as carried (a blob is split by the lengths its
+    header announces; what does not add up arrives as it is, to be refused
+    as malformed by whoever parses the frame)."""
+    if not isinstance(carried, Tensor):
+        return carried if isinstance(carried, list) else []
+    try:
+        lengths = buffer_lengths(head)
+    except FrameError:
+        return [carried]
+    if carried.dim() != 1 or sum(lengths) != carried.numel():
+        return [carried]
+    parts, at = [], 0
+    for n in lengths:
+        parts.append(carried.narrow(0, at, n))
+        at += n
+    return parts
 
 
 # -- the server's side ---------------------------------------------------------------------
@@ -66,14 +101,14 @@ def _my_name() -> str:
     return str(_me[1])
 
 
-def _receive(head: bytes, buffers: List[Any]) -> Tuple[bytes, List[Any]]:
+def _receive(head: bytes, carried: Any) -> Tuple[bytes, Union[Tensor, List[Any]]]:
     """What RPC runs on a server: one frame in, one out (see the module docstring)."""
     try:
         me = _my_name()
     except Exception:  # noqa: BLE001 - shutting down
         me = ""
-    reply = endpoint.serve(Frame(head, buffers if isinstance(buffers, list) else []), me)
-    return reply.head, list(reply.buffers)
+    reply = endpoint.serve(Frame(head, _uncarry(head, carried)), me)
+    return reply.head, _carry(reply.buffers)
 
 
 # -- the client's side ---------------------------------------------------------------------
@@ -124,11 +159,10 @@ class _RpcPending:
         except Exception as error:  # noqa: BLE001 - every engine error is mapped
             kind = TransportTimeout if _is_timeout(error) else TransportError
             raise kind(f"{type(error).__name__}: {error}") from error
-        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bytes)
-                and isinstance(value[1], list)):
+        if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bytes)):
             raise TransportError("a reply that is not a frame (is the peer a moe_autograd "
                                  "server of this version?)")
-        return Frame(value[0], value[1], "reply")
+        return Frame(value[0], _uncarry(value[0], value[1]), "reply")
 
 
 def _agent_seconds(limit: float) -> float:
@@ -213,7 +247,7 @@ class RpcTransport:
             raise TransportSendError(str(error)) from error
         rpc_timeout = rpc.constants.UNSET_RPC_TIMEOUT if limit is None else _agent_seconds(limit)
         try:
-            future = rpc.rpc_async(worker, _receive, args=(frame.head, list(frame.buffers)),
+            future = rpc.rpc_async(worker, _receive, args=(frame.head, _carry(frame.buffers)),
                                    timeout=rpc_timeout)
         except Exception as error:  # noqa: BLE001 - unknown worker, not initialised
             raise TransportSendError(f"{type(error).__name__}: {error}") from error

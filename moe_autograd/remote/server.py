@@ -60,7 +60,7 @@ Invariants:
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -239,13 +239,14 @@ class ExpertServer:
     def stats(self) -> Dict[str, Any]:
         """Live states and counters (``live`` is 0 for a stateless server);
         ``skipped_steps``: optimizer steps skipped for non-finite gradients;
-        ``refused``: requests this process refused (by reason, see
-        :func:`~moe_autograd.remote.security_stats`)."""
+        ``auth_refused``: requests this process refused (by reason, see
+        :func:`~moe_autograd.remote.security_stats`; a stateful server's
+        ``refused`` counts its state store's refusals)."""
         base: Dict[str, Any] = {"worker": self.worker, "backward": self.backward,
                                 "in_flight": self._busy, "experts": list(self.names),
                                 "skipped_steps": sum(h.skipped_steps for h in self._hosted),
                                 "non_finite_grads": self.non_finite_grads,
-                                "refused": security_stats()["refused"]}
+                                "auth_refused": security_stats()["refused"]}
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
 
@@ -278,8 +279,9 @@ def _lookup(caller: Caller, name: Any) -> _Hosted:
         raise TypeError(f"expert name must be a str, got {type(name).__name__}")
     with _registry_lock:
         hosted = _experts.get(name)
-        mine = sorted(n for n, h in _experts.items() if caller.key_id in h.server.jobs)
     if hosted is None or caller.key_id not in hosted.server.jobs:
+        with _registry_lock:
+            mine = sorted(n for n, h in _experts.items() if caller.key_id in h.server.jobs)
         if hosted is not None:  # another job's expert: as unknown, and counted
             endpoint.gate().refuse("unknown job", f"job {caller.job} asked for expert "
                                                   f"{name!r} of another job")
@@ -377,12 +379,16 @@ def admit_request(caller: Caller, jobs: Sequence[Any]) -> List[Optional[str]]:
     return verdicts
 
 
+def _call_fields(hosted: _Hosted, job: Dict[str, Any]) -> Tuple[str, str, int, List[Any]]:
+    """What every call's job names: ``(where, call id, seed, flags)``."""
+    where = f"{job.get('op')} of expert {hosted.name!r}"
+    return (where, _ident("call id", job.get("call")), _field(job, "seed", int, where),
+            _field(job, "flags", list, where))
+
+
 def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
-    where = f"forward of expert {hosted.name!r}"
-    call_id = _ident("call id", job.get("call"))
-    seed = _field(job, "seed", int, where)
+    where, call_id, seed, flags = _call_fields(hosted, job)
     grad = _field(job, "grad", bool, where)
-    flags = _field(job, "flags", list, where)
     args = _field(job, "args", list, where)
     store = hosted.server.store
     owner = caller.owner
@@ -420,10 +426,7 @@ def _step(hosted: _Hosted) -> Optional[str]:
 
 
 def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
-    where = f"backward of expert {hosted.name!r}"
-    call_id = _ident("call id", job.get("call"))
-    seed = _field(job, "seed", int, where)
-    flags = _field(job, "flags", list, where)
+    where, call_id, seed, flags = _call_fields(hosted, job)
     grads = _field(job, "grads", list, where)
     args = job.get("args")
     if args is not None and not isinstance(args, list):

@@ -8,8 +8,9 @@ several clients share one server, so no client may use, free or crowd out
 another client's states.
 
 A state is keyed by its call id (128 random bits drawn by the client, so ids
-cannot be guessed) and records its *owner*, the worker name of the client that
-created it. Lifecycle of one state::
+cannot be guessed) and records its *owner*: the authenticated session of the
+client that created it (its job's key id and its session's 128 random bits,
+:class:`~moe_autograd.remote.auth.Caller`), never a name a client declares. Lifecycle of one state::
 
     event                                    what happens
     ---------------------------------------  ---------------------------------------
@@ -19,7 +20,7 @@ created it. Lifecycle of one state::
                                              state stays stored, then popped, used
                                              once, freed; a rejected request leaves
                                              the state usable
-    backward/release from another worker     refused; the state is left intact
+    backward/release from another session    refused; the state is left intact
     owner drops the graph (finalizer)        release request -> freed
     release that overtakes its forward       tombstone: the late forward is refused
     owner past max_states_per_client         the owner's own oldest state is evicted
@@ -53,6 +54,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from torch import Tensor
 
+from .auth import refuse
+
 __all__ = ["CallState", "StateStore", "StateError"]
 
 _REMEMBERED = 8192  # reasons of gone ids kept for error messages and tombstones
@@ -68,7 +71,7 @@ class CallState:
     """What a stateful forward keeps for its backward."""
 
     expert: str
-    owner: str              # worker name of the client that created the call
+    owner: str              # the session that created the call (Caller.owner)
     leaves: List[Any]       # the call's arguments; tensors are detached leaves
     outputs: List[Tensor]   # the graph's outputs on the server
     nbytes: int = 0         # what the state holds (see ExpertServer: materialised inputs + outputs)
@@ -221,14 +224,16 @@ class StateStore:
             if state is None:
                 gone_owner, reason = self._gone.get(call_id, (owner, ""))
                 if not reason or gone_owner != owner:
-                    reason = f"unknown call id (never stored on this server for worker {owner!r})"
+                    reason = "unknown call id (never stored on this server for this client)"
                 raise StateError(f"backward of expert {expert!r}: no state for call "
                                  f"{call_id!r}: {reason}")
             if state.owner != owner:
                 self.counts["refused"] += 1
+                refuse("not the owner", f"a backward of call {call_id[:8]}... of expert "
+                                        f"{expert!r} by another session")
                 raise StateError(f"backward of expert {expert!r}: call {call_id!r} belongs to "
-                                 f"worker {state.owner!r}, not {owner!r}: only its owner may "
-                                 "run its backward")
+                                 "another session, not this client's: only its owner may run "
+                                 "its backward")
             if state.expert != expert:
                 self.counts["refused"] += 1
                 raise StateError(f"backward of expert {expert!r}: call {call_id!r} belongs to "
@@ -243,7 +248,7 @@ class StateStore:
     def release(self, owner: str, call_ids: Iterable[str]) -> int:
         """Frees ``owner``'s states among ``call_ids``; tombstones unknown ids
         (so a late forward stores nothing); skips (and counts as refused) ids
-        held by another worker. Returns how many states were freed."""
+        held by another session. Returns how many states were freed."""
         n = 0
         with self._lock:
             for call_id in call_ids:
@@ -251,6 +256,8 @@ class StateStore:
                 if state is not None:
                     if state.owner != owner:
                         self.counts["refused"] += 1
+                        refuse("not the owner", f"a release of call {call_id[:8]}... by another "
+                                                "session")
                         continue
                     self._drop(call_id)
                     self._forget(call_id, owner, _RELEASED)

@@ -9,27 +9,30 @@ buffer beside it (TensorPipe and Ray move buffers without copying them into
 the body). Decoding is msgpack's and ``torch.frombuffer``'s: no path from a
 payload to a function.
 
-Body layout: a msgpack array ``[descriptors, value]``. ``descriptors[i] =
-[dtype, shape, strides, requires_grad]`` describes buffer ``i``; in
-``value`` a tensor is the extension type 1 holding its descriptor's index
-(little-endian uint32; a tensor used twice is sent once and arrives as one
-object), a tuple the extension type 2 holding its items, packed the same way
-(so tuples stay tuples, lists stay lists).
+Body layout: the msgpack of the value, where a tensor is the extension type
+1 holding its descriptor (little-endian: buffer index uint32, dtype code
+uint8, requires_grad uint8, dimensions uint8, then a uint64 size and a
+uint64 stride per dimension; a tensor used twice travels once and arrives as
+one object), and a tuple the extension type 2 holding its items, packed the
+same way (so tuples stay tuples, lists stay lists). One pass of msgpack's C
+decoder reads it all: each tensor is made where its descriptor is met.
 
 Life of a received tensor (:func:`decode`)::
 
     step                             what is checked or done
     -------------------------------  ---------------------------------------------------
     header parsed (:mod:`.frame`)    buffer count and lengths against what arrived
-    descriptors read                 dtype in :data:`DTYPES`; at most :data:`MAX_DIMS`
-                                     sizes and strides, each in [0, 2**48); elements at
-                                     most :data:`MAX_ELEMENTS`; the bytes its elements
-                                     span equal its buffer's length; requires_grad only
-                                     for floating and complex dtypes
+    descriptor read                  a buffer that exists and that no other descriptor
+                                     claimed (a repeated reference must repeat the same
+                                     descriptor); dtype in :data:`DTYPES`; at most
+                                     :data:`MAX_DIMS` sizes and strides, each in
+                                     [0, 2**48); elements at most :data:`MAX_ELEMENTS`; the
+                                     bytes its elements span equal its buffer's length;
+                                     requires_grad only for floating and complex dtypes
     tensor made                      a view of its buffer (``frombuffer``, ``as_strided``):
                                      no allocation but a copy of a read-only buffer, so
                                      nothing beyond what arrived is allocated here
-    value read                       extension types resolved; nesting at most
+    value read                       every buffer claimed by a tensor; nesting at most
                                      :data:`MAX_DEPTH`; no bytes left over
 
 What a server materialises from a tensor is ``numel * element_size`` (a
@@ -42,16 +45,20 @@ Invariants:
   dtype, shape, strides (where the elements span no more than their number:
   expanded and permuted tensors keep their strides; a sparse window of a
   larger storage travels contiguous), values and ``requires_grad``.
-* :func:`encode` refuses what the schema cannot carry with
-  :class:`WireTypeError` naming it; :func:`check_value` says where it is
-  in a caller's value (``argument 1[0]['x']``).
+* :func:`encode` refuses what msgpack cannot carry with
+  :class:`WireTypeError` naming it; :func:`check_value` refuses all that the
+  schema does not carry (dict keys other than ``str`` included, which
+  ``encode`` leaves to the receiver) and says where it is in a caller's
+  value (``argument 1[0]['x']``). Every value that comes from user code
+  (an expert's arguments, a control payload, an operation's arguments and
+  result) is checked with it before it is encoded.
 * :func:`decode` raises only :class:`WireError`, whatever the bytes.
 """
 import math
 import struct
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]
 import torch
 from torch import Tensor
 
@@ -60,20 +67,25 @@ from .frame import buffer_view
 __all__ = ["encode", "decode", "check_value", "WireError", "WireTypeError", "DTYPES",
            "MAX_DIMS", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_INT", "tensor_nbytes"]
 
-#: Dtypes a message may carry, by their name on the wire.
+#: Dtypes a message may carry, by their name.
 DTYPES: Dict[str, torch.dtype] = {
     "float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
     "float64": torch.float64, "complex64": torch.complex64, "complex128": torch.complex128,
     "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
     "uint8": torch.uint8, "bool": torch.bool}
-_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+_BY_CODE: List[torch.dtype] = list(DTYPES.values())  # the code of a dtype is its index
+_CODES: Dict[torch.dtype, int] = {dtype: code for code, dtype in enumerate(_BY_CODE)}
 MAX_DIMS = 32
 MAX_DEPTH = 64
 MAX_ELEMENTS = 1 << 48
 MAX_INT = (1 << 63) - 1
 _DIM_LIMIT = 1 << 48
 _TENSOR, _TUPLE = 1, 2
-_INDEX = struct.Struct("<I")
+_HEAD = struct.Struct("<IBBB")  # buffer index, dtype code, requires_grad, dimensions
+#: A whole descriptor per number of dimensions: the head, then sizes, then strides.
+_DESCRIPTORS = [struct.Struct("<IBBB" + "Q" * (2 * n)) for n in range(MAX_DIMS + 1)]
+_COMPLEX = frozenset(code for code, dtype in enumerate(_BY_CODE) if dtype.is_complex)
+_STRIDED = torch.strided
 
 
 class WireError(ValueError):
@@ -98,17 +110,16 @@ def _span(t: Tensor) -> int:
 
 # -- encoding ---------------------------------------------------------------------------
 class _Encoder:
-    __slots__ = ("descriptors", "buffers", "index", "keep")
+    __slots__ = ("buffers", "index", "keep")
 
     def __init__(self) -> None:
-        self.descriptors: List[List[Any]] = []
         self.buffers: List[Tensor] = []
-        self.index: Dict[int, int] = {}
+        self.index: Dict[int, bytes] = {}  # id(tensor) -> its extension payload
         self.keep: List[Tensor] = []  # ids stay unique while encoding
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
-            return msgpack.ExtType(_TENSOR, _INDEX.pack(self.tensor(obj)))
+            return msgpack.ExtType(_TENSOR, self.tensor(obj))
         if type(obj) is tuple:
             return msgpack.ExtType(_TUPLE, self.pack(list(obj)))
         raise WireTypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} cannot travel: "
@@ -124,7 +135,7 @@ class _Encoder:
         except (OverflowError, ValueError, TypeError) as error:
             raise WireTypeError(f"cannot encode the message: {error}") from error
 
-    def tensor(self, tensor: Tensor) -> int:
+    def tensor(self, tensor: Tensor) -> bytes:
         key = id(tensor)
         found = self.index.get(key)
         if found is not None:
@@ -133,34 +144,38 @@ class _Encoder:
         if type(data) is not Tensor:
             raise WireTypeError(f"a tensor subclass ({type(tensor).__qualname__}) cannot "
                                 "travel: send a plain torch.Tensor")
-        if data.layout != torch.strided or data.is_quantized or data.is_nested:
+        code = _CODES.get(data.dtype)  # (quantized dtypes are not among them)
+        if data.layout is not _STRIDED or data.is_nested or code is None:
+            if code is None:
+                raise WireTypeError(f"a tensor of dtype {data.dtype} cannot travel; the wire "
+                                    f"carries {sorted(DTYPES)}")
             raise WireTypeError(f"a {data.layout} tensor cannot travel: only dense (strided) "
                                 "tensors")
-        name = _NAMES.get(data.dtype)
-        if name is None:
-            raise WireTypeError(f"a tensor of dtype {data.dtype} cannot travel; the wire "
-                                f"carries {sorted(DTYPES)}")
-        if data.device.type != "cpu":
+        if not data.is_cpu:
             data = data.cpu()
-        if data.is_conj():
-            data = data.resolve_conj()
-        if data.is_neg():
-            data = data.resolve_neg()
-        span = _span(data)
-        if span > data.numel():  # a sparse window of a larger storage: send it dense
-            data = data.contiguous()
-            span = data.numel()
-        if span:
-            raw = data.as_strided((span,), (1,), data.storage_offset()).view(torch.uint8)
+        if code in _COMPLEX:  # conjugate and negative bits: values, not views, travel
+            data = data.resolve_conj().resolve_neg()
+        if data.is_contiguous():  # the common case: its elements are its window
+            raw = data.reshape(-1).view(torch.uint8) if data.numel() \
+                else torch.empty(0, dtype=torch.uint8)
         else:
-            raw = torch.empty(0, dtype=torch.uint8)
-        index = len(self.descriptors)
-        self.descriptors.append([name, list(data.shape), list(data.stride()),
-                                 bool(tensor.requires_grad)])
+            span = _span(data)
+            if span > data.numel():  # a sparse window of a larger storage: send it dense
+                data = data.contiguous()
+                span = data.numel()
+            raw = data.as_strided((span,), (1,), data.storage_offset()).view(torch.uint8) \
+                if span else torch.empty(0, dtype=torch.uint8)
+        shape = data.shape
+        ndim = len(shape)
+        if ndim > MAX_DIMS:
+            raise WireTypeError(f"a tensor of {ndim} dimensions cannot travel (at most "
+                                f"{MAX_DIMS})")
+        payload = _DESCRIPTORS[ndim].pack(len(self.buffers), code, tensor.requires_grad, ndim,
+                                          *shape, *data.stride())
         self.buffers.append(raw)
-        self.index[key] = index
+        self.index[key] = payload
         self.keep.append(tensor)
-        return index
+        return payload
 
 
 def encode(value: Any) -> Tuple[bytes, List[Tensor]]:
@@ -168,9 +183,8 @@ def encode(value: Any) -> Tuple[bytes, List[Tensor]]:
     buffers are 1-D uint8 CPU tensors, views where no copy was needed.
     Raises :class:`WireTypeError` for what the schema cannot carry."""
     encoder = _Encoder()
-    packed = encoder.pack(value)
-    descriptors = msgpack.packb(encoder.descriptors, use_bin_type=True)
-    return b"\x92" + descriptors + packed, encoder.buffers  # 0x92: an array of 2
+    body = encoder.pack(value)
+    return body, encoder.buffers
 
 
 # -- checking a caller's value ------------------------------------------------------------
@@ -194,7 +208,7 @@ def check_value(value: Any, where: str) -> None:
             if item.layout != torch.strided or item.is_quantized or item.is_nested:
                 raise WireTypeError(f"{path} is a {item.layout} tensor: only dense tensors "
                                     "travel")
-            if item.dtype not in _NAMES:
+            if item.dtype not in _CODES:
                 raise WireTypeError(f"{path} is a tensor of dtype {item.dtype}; the wire "
                                     f"carries {sorted(DTYPES)}")
             continue
@@ -216,13 +230,7 @@ def check_value(value: Any, where: str) -> None:
 
 
 # -- decoding -----------------------------------------------------------------------------
-def _int(value: Any, lo: int, hi: int, what: str) -> int:
-    if type(value) is not int or not lo <= value < hi:
-        raise WireError(f"{what} must be an int in [{lo}, {hi}), got {value!r:.40}")
-    return value
-
-
-def _flat(buffer: Any, nbytes: int) -> Tensor:
+def _flat(buffer: Any) -> Tensor:
     """Buffer ``buffer`` as a writable 1-D uint8 tensor (shared, or copied
     when it arrived read-only)."""
     if isinstance(buffer, Tensor):
@@ -230,112 +238,101 @@ def _flat(buffer: Any, nbytes: int) -> Tensor:
                 and buffer.device.type == "cpu" and type(buffer) is Tensor:
             return buffer.detach()
         raise WireError("a buffer tensor must be a contiguous 1-D uint8 CPU tensor")
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
     view = buffer_view(buffer)
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
     if view.readonly:
         return torch.frombuffer(bytearray(view), dtype=torch.uint8)
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def _tensor(descriptor: Any, buffer: Any, k: int) -> Tensor:
-    if type(descriptor) is not list or len(descriptor) != 4:
-        raise WireError(f"tensor {k}: a descriptor is [dtype, shape, strides, requires_grad], "
-                        f"got {descriptor!r:.80}")
-    name, shape, strides, requires_grad = descriptor
-    dtype = DTYPES.get(name) if type(name) is str else None
-    if dtype is None:
-        raise WireError(f"tensor {k}: dtype {name!r:.40} is not one the wire carries")
-    if type(shape) is not list or type(strides) is not list or len(shape) != len(strides) \
-            or len(shape) > MAX_DIMS:
-        raise WireError(f"tensor {k}: shape and strides must be two lists of at most "
-                        f"{MAX_DIMS} ints of the same length")
-    sizes = [_int(n, 0, _DIM_LIMIT, f"tensor {k}: a size") for n in shape]
-    steps = [_int(s, 0, _DIM_LIMIT, f"tensor {k}: a stride") for s in strides]
-    if type(requires_grad) is not bool:
-        raise WireError(f"tensor {k}: requires_grad must be a bool")
-    if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
-        raise WireError(f"tensor {k}: a {name} tensor cannot require grad")
-    numel = math.prod(sizes)
-    if numel > MAX_ELEMENTS:
-        raise WireError(f"tensor {k}: {numel} elements, more than {MAX_ELEMENTS}")
-    span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(sizes, steps))
-    itemsize = dtype.itemsize
-    nbytes = buffer_view(buffer).nbytes if not isinstance(buffer, Tensor) \
-        else buffer.numel() * buffer.element_size()
-    if nbytes != span * itemsize:
-        raise WireError(f"tensor {k}: its elements span {span * itemsize} bytes, its buffer "
-                        f"has {nbytes}")
-    flat = _flat(buffer, nbytes)
-    if span == 0:
-        typed = torch.empty(0, dtype=dtype)
-    else:
-        if flat.storage_offset() % itemsize:
-            flat = flat.clone()
-        typed = flat.view(dtype)
-    tensor = typed.as_strided(sizes, steps)
-    return tensor.requires_grad_() if requires_grad else tensor
+class _Decoder:
+    """The extension types of one message (its tensors, its tuples). A class
+    rather than a closure: a closure that names itself (tuples nest) would be
+    a reference cycle holding the message's tensors until a GC pass."""
 
+    __slots__ = ("buffers", "made", "depth")
 
-def _unpacker(size: int, hook: Callable[[int, bytes], Any]) -> Any:
-    return msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, ext_hook=hook,
-                            max_buffer_size=max(size, 1))
+    def __init__(self, buffers: Sequence[Any]) -> None:
+        self.buffers = buffers
+        self.made: Dict[int, Tuple[bytes, Tensor]] = {}  # buffer -> (descriptor, tensor)
+        self.depth = 0
 
-
-def decode(body: Any, buffers: Sequence[Any]) -> Any:
-    """The value of a message body whose tensors are ``buffers`` (see the
-    module docstring's table); raises :class:`WireError` for anything else."""
-    tensors: Optional[List[Tensor]] = None
-    depth = [0]
-
-    def hook(code: int, data: bytes) -> Any:
+    def hook(self, code: int, data: bytes) -> Any:
         if code == _TENSOR:
-            if tensors is None or len(data) != _INDEX.size:
-                raise WireError("a tensor reference outside the message's value")
-            index = _INDEX.unpack(data)[0]
-            if index >= len(tensors):
-                raise WireError(f"a reference to tensor {index} of {len(tensors)}")
-            return tensors[index]
+            return self.tensor(data)
         if code == _TUPLE:
-            if depth[0] >= MAX_DEPTH:
+            if self.depth >= MAX_DEPTH:
                 raise WireError(f"tuples nested more than {MAX_DEPTH} deep")
-            depth[0] += 1
+            self.depth += 1
             try:
-                inner = _unpacker(len(data), hook)
-                inner.feed(data)
-                items = inner.unpack()
-                _no_more(inner)
+                items = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
+                                        ext_hook=self.hook)
             finally:
-                depth[0] -= 1
+                self.depth -= 1
             if type(items) is not list:
                 raise WireError("a tuple must hold an array")
             return tuple(items)
         raise WireError(f"unknown extension type {code}")
 
+    def tensor(self, data: bytes) -> Tensor:
+        if len(data) < _HEAD.size:
+            raise WireError("a tensor descriptor shorter than its header")
+        ndim = data[_HEAD.size - 1]
+        if ndim > MAX_DIMS or len(data) != _DESCRIPTORS[ndim].size:
+            index = _HEAD.unpack_from(data)[0]
+            raise WireError(f"tensor {index}: a malformed descriptor")
+        fields = _DESCRIPTORS[ndim].unpack(data)
+        index, code, requires_grad = fields[0], fields[1], fields[2]
+        made = self.made.get(index)
+        if made is not None:  # the same tensor again: the same descriptor, the same object
+            if made[0] != data:
+                raise WireError(f"buffer {index} claimed by two different tensors")
+            return made[1]
+        if index >= len(self.buffers):
+            raise WireError(f"a tensor of buffer {index}, of {len(self.buffers)}")
+        if code >= len(_BY_CODE) or requires_grad > 1:
+            raise WireError(f"tensor {index}: a malformed descriptor")
+        sizes, steps = fields[4:4 + ndim], fields[4 + ndim:]
+        if ndim and max(max(sizes), max(steps)) >= _DIM_LIMIT:
+            raise WireError(f"tensor {index}: a size or stride past 2**48")
+        dtype = _BY_CODE[code]
+        if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
+            raise WireError(f"tensor {index}: a {dtype} tensor cannot require grad")
+        numel = math.prod(sizes)
+        if numel > MAX_ELEMENTS:
+            raise WireError(f"tensor {index}: {numel} elements, more than {MAX_ELEMENTS}")
+        span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(sizes, steps))
+        itemsize = dtype.itemsize
+        flat = _flat(self.buffers[index])
+        nbytes = flat.numel()
+        if nbytes != span * itemsize:
+            raise WireError(f"tensor {index}: its elements span {span * itemsize} bytes, its "
+                            f"buffer has {nbytes}")
+        if span == 0:
+            typed = torch.empty(0, dtype=dtype)
+        else:
+            if flat.storage_offset() % itemsize:
+                flat = flat.clone()
+            typed = flat.view(dtype)
+        tensor = typed.as_strided(sizes, steps)
+        if requires_grad:
+            tensor.requires_grad_()
+        self.made[index] = (data, tensor)
+        return tensor
+
+
+def decode(body: Any, buffers: Sequence[Any]) -> Any:
+    """The value of a message body whose tensors are ``buffers`` (see the
+    module docstring's table); raises :class:`WireError` for anything else."""
+    decoder = _Decoder(buffers)
     try:
-        data = bytes(body) if not isinstance(body, bytes) else body
-        unpacker = _unpacker(len(data), hook)
-        unpacker.feed(data)
-        if unpacker.read_array_header() != 2:
-            raise WireError("a body is an array of two: [descriptors, value]")
-        descriptors = unpacker.unpack()
-        if type(descriptors) is not list or len(descriptors) != len(buffers):
-            raise WireError(f"{len(buffers)} buffers arrived with "
-                            f"{len(descriptors) if type(descriptors) is list else '?'} "
-                            "tensor descriptors")
-        tensors = [_tensor(d, b, k) for k, (d, b) in enumerate(zip(descriptors, buffers))]
-        value = unpacker.unpack()
-        _no_more(unpacker)
-        return value
+        value = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
+                                ext_hook=decoder.hook)
     except WireError:
         raise
     except Exception as error:  # noqa: BLE001 - whatever the bytes: one error type
         raise WireError(f"malformed message body: {type(error).__name__}: {error}") from None
-
-
-def _no_more(unpacker: Any) -> None:
-    try:
-        unpacker.unpack()
-    except msgpack.OutOfData:
-        return
-    raise WireError("bytes left over after the message's value")
+    if len(decoder.made) != len(buffers):
+        raise WireError(f"{len(buffers)} buffers arrived for {len(decoder.made)} tensors")
+    return value

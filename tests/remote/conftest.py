@@ -34,13 +34,12 @@ import sys
 from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))  # remote_experts, also for spawned children
 
 from moe_autograd.remote import set_job_secret, start_rpc  # noqa: E402
 from moe_autograd.remote.loopback import backend_options, free_port, start_servers, stop_processes  # noqa: E402
-from wiring import SECRET, init_local_ray, remove_ray_dirs  # noqa: E402
+from wiring import SECRET, Backend, init_local_ray, shutdown_local_ray  # noqa: E402
 
 set_job_secret(SECRET)  # this process is a member of the test job; its servers get SECRET
 
@@ -61,13 +60,21 @@ def _shutdown() -> None:
     stop_processes(_world["processes"], timeout=10.0)
 
 
-def _warm_up_client() -> None:
-    # The first autograd.backward with explicit grads imports sympy (~1 s);
-    # pay it here, not inside a timed test.
+def _warm_up_client(transport: Any = None) -> None:
+    # The first autograd.backward with explicit grads imports sympy (~1 s),
+    # and a process's first remote pass pays its own first-use costs; pay
+    # them here (one remote pass, forced to fan out), not in a timed test.
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401 - sympy, once
+
     from moe_autograd import parallel_apply
+    from moe_autograd.remote import RemoteExpert
 
     modules = [torch.nn.Linear(2, 2) for _ in range(2)]
-    outs = parallel_apply(modules, [torch.randn(1, 2, requires_grad=True) for _ in modules])
+    outs = parallel_apply(modules, [torch.randn(1, 2, requires_grad=True) for _ in modules],
+                          mode="parallel")
+    sum(o.sum() for o in outs).backward()
+    experts = [RemoteExpert(w, "lin", transport=transport) for w in SERVERS]
+    outs = parallel_apply(experts, [torch.randn(1, 8, requires_grad=True) for _ in experts])
     sum(o.sum() for o in outs).backward()
 
 
@@ -79,12 +86,9 @@ def _shutdown_ray() -> None:
     if _ray.get("closed", True):
         return
     _ray["closed"] = True
-    import ray
-
     for server in _ray.get("servers", ()):
         server.kill()
-    ray.shutdown()
-    remove_ray_dirs()
+    shutdown_local_ray()
 
 
 @pytest.fixture(scope="session")
@@ -100,25 +104,18 @@ def ray_world() -> Iterator[Dict[str, Any]]:
     from moe_autograd.remote.ray_server import start_servers
 
     here = os.path.dirname(os.path.abspath(__file__))
-    old = os.environ.get("PYTHONPATH")
-    # Ray's workers inherit the environment of the raylet that ray.init starts.
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, old) if p)
     _ray["closed"] = False
     try:
-        # a new instance of its own, with token authentication
-        init_local_ray(num_cpus=2, namespace="moe_autograd_tests")
+        # a new instance of its own, with token authentication; its workers import
+        # this directory's modules (remote_experts)
+        init_local_ray(python_path=(here,), num_cpus=2, namespace="moe_autograd_tests")
         _ray["servers"] = start_servers([(name, "remote_experts:setup_servers")
                                          for name in SERVERS], ready_timeout=90.0)
     except BaseException:
         _shutdown_ray()
         raise
-    finally:
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
     _ray["transport"] = RayTransport(timeout=RAY_TIMEOUT_S)
-    _warm_up_client()
+    _warm_up_client(_ray["transport"])
     yield {"servers": tuple(_ray["servers"]), "transport": _ray["transport"]}
     _shutdown_ray()
 
@@ -127,7 +124,6 @@ def ray_world() -> Iterator[Dict[str, Any]]:
 def world() -> Iterator[Tuple[str, ...]]:
     if "processes" in _world:
         pytest.fail("the shared RPC world was already shut down; keep its tests together")
-    from torch.distributed import rpc
 
     port = free_port()
     _world["processes"] = start_servers(port, 1 + len(SERVERS), SERVERS,
@@ -142,6 +138,18 @@ def world() -> Iterator[Tuple[str, ...]]:
     _warm_up_client()
     yield SERVERS
     _shutdown()
+
+
+@pytest.fixture(params=["rpc", "ray"])
+def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
+    """The shared servers on either engine (test_conformance.py, test_redteam.py)."""
+    if request.param == "rpc":
+        from moe_autograd.remote import RpcTransport
+
+        yield Backend("rpc", RpcTransport(), request.getfixturevalue("world"))
+    else:
+        ray_world = request.getfixturevalue("ray_world")
+        yield Backend("ray", ray_world["transport"], ray_world["servers"])
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

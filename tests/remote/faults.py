@@ -90,7 +90,6 @@ import multiprocessing
 import os
 import random
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -119,6 +118,13 @@ SLOW_S = 1.0          # a slow expert, past the deadline
 HOLD_S = 0.15         # a server holds its calls this long when a signal is due
 SIGNAL_AFTER_S = 0.03
 DEAD_AFTER_S = 2.0    # the fleet's liveness window (a short SIGSTOP is not reaped)
+# A draining server serves at least this long: a stateless server holds nothing
+# that tells it a backward is still to come, and a step's backward may reach it
+# a whole deadline after the drain began (the other layer's backward waiting on
+# a stopped or slow server first). With 0.5 s, random plans pairing a clean
+# drain with a backward-phase stop elsewhere saw the drained server closed.
+LINGER_S = 1.5
+DRAIN_TIMEOUT_S = 3.0
 EXIT_STATUS = 7
 
 
@@ -261,8 +267,9 @@ class Expert(nn.Module):
 
 
 def arm(table: Dict[str, str]) -> str:
-    """RPC (on a server): arms ``{phase: kind}`` for every expert served here
-    (each expert hits it once); clears what was armed before."""
+    """An operation of a server (``"arm"``): arms ``{phase: kind}`` for every
+    expert served here (each expert hits it once); clears what was armed
+    before."""
     with _armed_lock:
         _armed.clear()
         for phase, kind in table.items():
@@ -271,13 +278,26 @@ def arm(table: Dict[str, str]) -> str:
 
 
 def server_report() -> Dict[str, Any]:
-    """RPC (on a server): held states, kept batches, threads (pool workers apart)."""
+    """An operation of a server (``"server_report"``): held states, kept
+    batches, threads (pool workers apart)."""
     from moe_autograd.remote import batch_server
     from moe_autograd.remote.server import _experts
 
     live = sum(int(h.server.stats()["live"]) for h in list(_experts.values()))
     return {"pid": os.getpid(), "live": live, "kept": batch_server.kept_batches(),
             "threads": _thread_kinds()}
+
+
+OPERATIONS: Dict[str, Callable[..., Any]] = {"arm": arm, "server_report": server_report}
+
+
+def register_operations() -> None:
+    """Lets the trainer call :data:`OPERATIONS` on this server process
+    (``call_operation``): code of this module, registered where it runs."""
+    from moe_autograd.remote import register_operation
+
+    for name, fn in OPERATIONS.items():
+        register_operation(name, fn)
 
 
 def _thread_kinds() -> List[str]:
@@ -311,10 +331,11 @@ def server_main(port: int, name: str) -> None:
     _me = name
     torch.set_num_threads(1)
     _warm_blas()
+    register_operations()
     server = ExpertServer({e: Expert(e) for e in HOSTED[name]}, backward=SERVERS[name],
                           state_ttl=10.0)
     elastic = ElasticServer(server, name, options=backend_options(port, rpc_timeout=10.0),
-                            linger=0.5, drain_timeout=3.0)
+                            linger=LINGER_S, drain_timeout=DRAIN_TIMEOUT_S)
     signal.signal(signal.SIGUSR1, lambda *_: elastic.stop("drain"))
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     elastic.join()
@@ -329,6 +350,7 @@ def ray_experts(name: str) -> Dict[str, nn.Module]:
     _me = name
     torch.set_num_threads(1)
     _warm_blas()
+    register_operations()
     return {e: Expert(e) for e in HOSTED[name]}
 
 
@@ -357,7 +379,11 @@ class _Dropped:
 
 class FaultyTransport:
     """The default transport; the replies of ``(server, phase)`` in ``drop``
-    are lost (the request reaches the server, which runs it)."""
+    are lost (the request reaches the server, which runs it). A message's
+    phase is read from its frame's label: ``"forward"``/``"backward"`` for a
+    single call, ``"batch:forward"``, ``"collect:backward"``, ... for a
+    coalesced one and its collects; other messages (releases, control,
+    ``info``, operations) are never dropped."""
 
     name = "faulty"
 
@@ -365,24 +391,19 @@ class FaultyTransport:
         self.inner = inner
         self.drop: Set[Tuple[str, str]] = set()
         self.dropped = 0
-        self._batches: Dict[str, str] = {}
 
-    def _phase(self, fn: Any, args: Tuple[Any, ...]) -> Optional[str]:
-        name = getattr(fn, "__name__", "")
-        if name == "serve_forward":
-            return "forward"
-        if name == "serve_backward":
-            return "backward"
-        if name == "serve_batch":
-            self._batches[args[1]] = phase = str(args[2][0][0])
+    @staticmethod
+    def _phase(frame: Any) -> Optional[str]:
+        op, _, phase = str(getattr(frame, "label", "")).partition(":")
+        if op in ("forward", "backward") and not phase:
+            return op
+        if op in ("batch", "collect") and phase in ("forward", "backward"):
             return phase
-        if name == "serve_collect":
-            return self._batches.get(args[1])
         return None
 
-    def call(self, worker: str, fn: Any, args: Tuple[Any, ...], timeout: Optional[float]) -> Any:
-        phase = self._phase(fn, args)
-        pending = self.inner.call(worker, fn, args, timeout)
+    def call(self, worker: str, frame: Any, timeout: Optional[float]) -> Any:
+        phase = self._phase(frame)
+        pending = self.inner.call(worker, frame, timeout)
         if phase is not None and (worker, phase) in self.drop:
             self.dropped += 1
             return _Dropped(timeout)
@@ -546,10 +567,11 @@ class _World:
     def wait_left(self, name: str, timeout: float) -> None:
         self.processes[name].join(timeout)
 
-    def rpc(self, name: str, fn: Any, *args: Any) -> Any:
-        from torch.distributed import rpc
+    def rpc(self, name: str, operation: str, *args: Any) -> Any:
+        """The registered operation ``operation`` (:data:`OPERATIONS`) on ``name``."""
+        from moe_autograd.remote import call_operation
 
-        return rpc.rpc_sync(name, fn, args=args, timeout=5.0)
+        return call_operation(name, operation, *args, timeout=5.0, transport=self.transport.inner)
 
     def restore(self) -> None:
         """Every server back up: a killed, drained or evicted one is replaced
@@ -588,13 +610,18 @@ class _RayWorld:
     NAMESPACE = "moe_autograd_faults"
 
     def __init__(self) -> None:
-        import ray
+        import atexit
 
         from moe_autograd.remote import RayFleet, RayTransport
+        from wiring import init_local_ray, shutdown_local_ray
 
-        # address='local': a new instance, never a cluster found through RAY_ADDRESS
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-                 configure_logging=False, namespace=self.NAMESPACE)
+        # Registered before ray.init, so that it runs after Ray's own exit hook
+        # (ray.shutdown): the trainer exits without shutting anything down.
+        atexit.register(shutdown_local_ray)
+        # a new instance of its own (never a cluster found through RAY_ADDRESS),
+        # with token authentication on, its token and files in a private directory
+        init_local_ray(python_path=(os.path.dirname(os.path.abspath(__file__)),),
+                       num_cpus=2, namespace=self.NAMESPACE)
         self.transport = FaultyTransport(RayTransport(self.NAMESPACE, timeout=10.0))
         self.servers: Dict[str, Any] = {}
         self.down: Set[str] = set()
@@ -652,15 +679,19 @@ class _RayWorld:
 
     def drain(self, name: str) -> None:
         thread = threading.Thread(target=self.servers[name].leave, name="fault-drain",
-                                  kwargs=dict(drain_timeout=3.0, linger=0.5), daemon=True)
+                                  kwargs=dict(drain_timeout=DRAIN_TIMEOUT_S, linger=LINGER_S),
+                                  daemon=True)
         thread.start()
         self.leaving[name] = thread
 
     def wait_left(self, name: str, timeout: float) -> None:
         self.leaving[name].join(timeout)
 
-    def rpc(self, name: str, fn: Any, *args: Any) -> Any:
-        return self.servers[name].call(fn, *args, timeout=5.0)
+    def rpc(self, name: str, operation: str, *args: Any) -> Any:
+        """The registered operation ``operation`` (:data:`OPERATIONS`) on ``name``."""
+        from moe_autograd.remote import call_operation
+
+        return call_operation(name, operation, *args, timeout=5.0, transport=self.transport.inner)
 
     def restore(self) -> None:
         """Every server back up: a killed or drained actor is ended and a new
@@ -727,7 +758,7 @@ class _Trainer:
                 tables[f.server][phase] = f.kind
         for name, table in tables.items():
             if name not in self.world.down:
-                self.world.rpc(name, arm, table)
+                self.world.rpc(name, "arm", table)
         self.world.transport.drop = drop
 
     def _signals(self, faults: List[Fault], phase: str, now: bool) -> List[threading.Timer]:
@@ -894,7 +925,7 @@ class _Trainer:
     # -- one plan ---------------------------------------------------------------------
     def plan(self, plan: Plan, seed: int) -> Dict[str, Any]:
         from moe_autograd.remote import flush_releases
-        from moe_autograd.remote.transport import in_flight
+        from moe_autograd.remote.rpc_engine import in_flight
 
         start = time.monotonic()
         steps = [self.step(plan, step, seed * 100 + step) for step in range(plan.steps)]
@@ -910,7 +941,7 @@ class _Trainer:
                 if name in self.world.down or not self.world.alive(name):
                     continue
                 try:
-                    reports[name] = self.world.rpc(name, server_report)
+                    reports[name] = self.world.rpc(name, "server_report")
                 except Exception as error:  # noqa: BLE001
                     reports[name] = {"error": repr(error)}
             held = {n: r for n, r in reports.items() if r.get("live") or r.get("kept")

@@ -3,14 +3,13 @@ and client processes that the tests spawn; not a test module)."""
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_autograd.remote import ExpertServer, RemoteExpert, register_operation, start_rpc
-from moe_autograd.remote.transport import Transport
 from wiring import Counting, ask  # noqa: F401 - Counting: the tests use rx.Counting
 
 WIDTH = 8

@@ -1,6 +1,6 @@
 """One conformance suite, two engines: every test runs on torch RPC and on Ray.
 
-The ``backend`` fixture gives the same two servers (``srv-a``, ``srv-b``,
+The ``backend`` fixture (conftest) gives the same two servers (``srv-a``, ``srv-b``,
 serving :func:`remote_experts.setup_servers`) on either engine: the shared
 RPC world (conftest ``world``) or the shared local Ray instance (conftest
 ``ray_world``: server actors of the same names); the assertions are the same.
@@ -9,8 +9,7 @@ Ray tests skip when ``ray`` is not installed.
 import multiprocessing
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator
 
 import pytest
 import torch
@@ -20,43 +19,13 @@ import remote_experts as rx
 from moe_autograd import parallel_apply
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.remote import (RemoteCall, RemoteExpert, RemoteExpertError,
-                                 RemoteTimeoutError, RpcTransport, call_operation)
+                                 RemoteTimeoutError)
 from moe_autograd.remote.channel import request
 from moe_autograd.remote.loopback import free_port, start_servers, stop_processes
-from moe_autograd.remote.transport import AutoTransport, Transport, choose_backend, get_transport
-from wiring import ask
+from moe_autograd.remote.transport import AutoTransport, choose_backend, get_transport
+from wiring import Backend
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@dataclass
-class Backend:
-    """One engine with the shared servers behind it."""
-
-    name: str
-    transport: Transport
-    servers: Tuple[Any, ...]
-
-    def run(self, worker: str, name: str, *args: Any, timeout: float = 20.0) -> Any:
-        """The test operation ``name`` (``remote_experts``) on ``worker``."""
-        return call_operation(worker, name, *args, timeout=timeout, transport=self.transport)
-
-    def ask(self, worker: str, message: Dict[str, Any]) -> Any:
-        """The reply pair of a raw request."""
-        return ask(worker, message, self.transport)
-
-    def expert(self, worker: str, name: str, **options: Any) -> RemoteExpert:
-        options.setdefault("transport", self.transport)
-        return RemoteExpert(worker, name, **options)
-
-
-@pytest.fixture(params=["rpc", "ray"])
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    if request.param == "rpc":
-        yield Backend("rpc", RpcTransport(), request.getfixturevalue("world"))
-    else:
-        ray_world = request.getfixturevalue("ray_world")
-        yield Backend("ray", ray_world["transport"], ray_world["servers"])
 
 
 def local_copy(expert: RemoteExpert, module: nn.Module) -> nn.Module:

@@ -1,8 +1,8 @@
 """The elastic fleet (issue 13): servers join and leave a running world, experts
 are found by name, training never stops.
 
-Unit tests run in this process (a local TCPStore, a transport that calls the
-server functions in-process). The multi-process tests share one world of
+Unit tests run in this process (a local TCPStore, a transport that serves
+frames with this process's endpoint). The multi-process tests share one world of
 their own: a trainer child process founds it with ``Fleet.start`` and runs
 the commands of :mod:`elastic_experts`; servers join it (``ElasticServer`` in
 forked processes, and the CLI's ``serve --join``). This process never joins
@@ -26,12 +26,16 @@ import torch
 from torch import nn
 
 import elastic_experts as ex
-from moe_autograd.remote import (ElasticServer, ExpertServer, FleetExpert, NoLiveReplica,
-                                  RemoteExpertError, flush_releases)
+from moe_autograd.remote import (ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
+                                  NoLiveReplica, RemoteExpertError, flush_releases,
+                                  security_stats)
 from moe_autograd.remote import membership
+from moe_autograd.remote.frame import Frame
 from moe_autograd.remote.loopback import free_port, stop_processes
-from moe_autograd.remote.registry import BeatWatch, Registry, ServerRecord, observe_alive
+from moe_autograd.remote.registry import (PREFIX, BeatWatch, Registry, ServerRecord,
+                                          observe_alive)
 from moe_autograd.remote.transport import TransportSendError
+from wiring import SECRET, InProcess
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -48,7 +52,7 @@ def store() -> Iterator[Any]:
 
 @pytest.mark.timeout(30)
 def test_registry_roster_beats_and_liveness(store: Any) -> None:
-    registry = Registry(store)
+    registry = Registry(store, SECRET)
     assert registry.roster() == {} and registry.version() == 0
 
     def publish(k: int) -> None:
@@ -98,6 +102,26 @@ def test_registry_roster_beats_and_liveness(store: Any) -> None:
     registry.evict("s1", 2)
     assert registry.stop_requested() and registry.evicted("s1", 2) and not registry.evicted("s1", 5)
 
+    # Entries are signed with the job's secret: what is not is not read (and is counted once).
+    refused = security_stats()["refused"].get("bad MAC", 0)
+    stranger = Registry(store, JobSecret.generate())
+    assert stranger.roster() == {} and stranger.record("s1") is None
+    assert stranger.records(["s1", "s2"]) == {}
+    assert not stranger.stop_requested() and not stranger.evicted("s1", 2)
+    stranger.publish(ServerRecord("intruder", 50, {"e": "stateless"}))
+    stranger.evict("s2", 3)
+    assert "intruder" not in registry.roster() and registry.record("intruder") is None
+    assert registry.roster() == {f"s{k}": k + 1 for k in range(8) if k != 3}  # the rest stands
+    assert not registry.evicted("s2", 3)
+    store.set(PREFIX + "server/s5", store.get(PREFIX + "server/s5").decode().replace(
+        '\\"rank\\": 6', '\\"rank\\": 60'))  # a record changed in the store
+    assert registry.record("s5") is None and "s5" not in registry.records(["s5", "s6"])
+    registry.roster(), registry.record("intruder"), registry.record("s5")  # read again
+    assert security_stats()["refused"].get("bad MAC", 0) - refused >= 7
+    again = security_stats()["refused"].get("bad MAC", 0)
+    registry.roster(), registry.record("intruder"), registry.record("s5")
+    assert security_stats()["refused"].get("bad MAC", 0) == again  # each entry counted once
+
 
 @pytest.mark.timeout(30)
 def test_membership_store_helpers(store: Any) -> None:
@@ -140,37 +164,27 @@ def test_membership_store_helpers(store: Any) -> None:
     assert membership.token_holder(store) == ("", None)
 
 
-class _Done:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self, timeout: Optional[float]) -> Any:
-        return self.value
-
-    def done(self) -> bool:
-        return True
-
-
-class _LocalTransport:
-    """Runs the server functions in this process; ``dead`` workers fail."""
+class _LocalTransport(InProcess):
+    """Serves frames with this process's endpoint (the servers built here),
+    as the worker they are sent to; ``dead`` workers fail at once."""
 
     name = "local"
 
     def __init__(self, dead: List[str]) -> None:
+        super().__init__("unit-client")
         self.dead = dead
         self.calls: List[str] = []
 
-    def call(self, worker: str, fn: Any, args: Any, timeout: Optional[float]) -> _Done:
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
         self.calls.append(worker)
         if worker in self.dead:
             raise TransportSendError(f"RuntimeError: could not find destination name {worker}")
-        return _Done(fn(*args))
-
-    def local_name(self) -> str:
-        return "unit-client"
+        return super().call(worker, frame, timeout)
 
 
 class _StubFleet:
+    secret = SECRET
+
     def __init__(self, replicas: List[str], transport: _LocalTransport) -> None:
         self._replicas, self.transport = replicas, transport
         self.suspected: List[str] = []
@@ -192,12 +206,18 @@ class _StubFleet:
         pass
 
 
+def _live_after_releases(server: ExpertServer) -> int:
+    """The server's held states once the releases of dropped outputs went out
+    (test_dropped_outputs_are_released_by_reference_counting: without a GC pass)."""
+    flush_releases()
+    return int(server.stats()["live"])
+
+
 @pytest.mark.timeout(30)
 def test_fleet_expert_retries_on_a_live_replica() -> None:
     transport = _LocalTransport(dead=["gone"])
     module = nn.Linear(3, 3)
     server = ExpertServer({"fleet_unit_lin": module}, backward="stateful", transport=transport)
-    gc.disable()  # a state must be freed by reference counting, not by a GC pass
     try:
         fleet = _StubFleet(["gone", "good"], transport)
         expert = FleetExpert(fleet, "fleet_unit_lin", forward_timeout=5.0)  # type: ignore[arg-type]
@@ -210,14 +230,12 @@ def test_fleet_expert_retries_on_a_live_replica() -> None:
         assert expert.last_worker == "good" and expert.retries == 1
         expert(x)  # the replica that served is tried first
         assert transport.calls[-1] == "good"
-        flush_releases()
-        assert server.stats()["live"] == 0  # dropped output: released
+        assert _live_after_releases(server) == 0  # dropped output: released
         expert.last_worker = "gone"
         fleet.suspected.clear()
         expert(x)  # a failed attempt, then a stateful call whose output is dropped
         assert transport.calls[-2:] == ["gone", "good"]
-        flush_releases()
-        assert server.stats()["live"] == 0  # no cycle kept the retried call's state
+        assert _live_after_releases(server) == 0
 
         transport.dead.append("good")
         expert.last_worker = None
@@ -229,7 +247,108 @@ def test_fleet_expert_retries_on_a_live_replica() -> None:
         with pytest.raises(ValueError, match="attempt_timeout"):
             FleetExpert(fleet, "x", attempt_timeout=-1.0)  # type: ignore[arg-type]
     finally:
+        server.close()
+
+
+@pytest.mark.timeout(30)
+def test_dropped_outputs_are_released_by_reference_counting() -> None:
+    transport = _LocalTransport(dead=["gone"])
+    server = ExpertServer({"fleet_unit_rc": nn.Linear(3, 3)}, backward="stateful",
+                          transport=transport)
+    gc.collect()
+    gc.disable()  # a state must be freed by reference counting, not by a GC pass
+    try:
+        fleet = _StubFleet(["gone", "good"], transport)
+        expert = FleetExpert(fleet, "fleet_unit_rc", forward_timeout=5.0)  # type: ignore[arg-type]
+        x = torch.randn(2, 3, requires_grad=True)
+        expert(x)  # the replica that served is tried first
+        assert transport.calls == ["gone", "good"]
+        flush_releases()
+        assert server.stats()["live"] == 0  # dropped output: released
+        expert.last_worker = "gone"
+        fleet.suspected.clear()
+        expert(x)  # a failed attempt, then a stateful call whose output is dropped
+        assert transport.calls[-2:] == ["gone", "good"]
+        flush_releases()
+        assert server.stats()["live"] == 0  # no cycle kept the retried call's state
+    finally:
         gc.enable()
+        gc.collect()
+        flush_releases()  # before the server closes (a release after it is refused)
+        server.close()
+
+
+@pytest.fixture()
+def host_rank() -> Iterator[Any]:
+    """``host_rank(r)``: the rank this process's ``info`` answers with (as an
+    ElasticServer sets it); restored afterwards."""
+    from moe_autograd.remote import server as server_module
+
+    before = server_module.host_info()
+
+    def set_rank(rank: int) -> None:
+        server_module.set_host_info(rank=rank)
+    yield set_rank
+    with server_module._registry_lock:
+        server_module._host.clear()
+        server_module._host.update(before)
+
+
+def _events(fleet: Fleet, worker: str) -> List[str]:
+    return [e.kind for e in list(fleet.events) if e.worker == worker]
+
+
+@pytest.mark.timeout(30)
+def test_fleet_admits_only_servers_that_prove_the_secret_and_rank(store: Any,
+                                                                  host_rank: Any) -> None:
+    """A published server is resolved only once it answered the sealed
+    ``info`` challenge with the rank it published; one that cannot open the
+    fleet's requests (it lacks the secret) is refused, never admitted."""
+    host_rank(5)
+    server = ExpertServer({"adm_unit_e": nn.Linear(2, 2)})  # serves SECRET's job here
+    transport = _LocalTransport(dead=[])
+    registry = Registry(store, SECRET)
+    other = JobSecret.generate()
+    fleets: List[Fleet] = []
+    try:
+        for name, rank in (("srv_ok", 5), ("srv_wrong_rank", 6)):
+            registry.beat(name, rank)
+            registry.publish(ServerRecord(name, rank, {"adm_unit_e": "stateless"}))
+        fleet = Fleet(store, "unit_trainer", 1, founder=False, reap=False, poll=0.02,
+                      transport=transport, secret=SECRET)
+        fleets.append(fleet)
+        deadline = time.monotonic() + 10.0
+        while "joined" not in _events(fleet, "srv_ok") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _events(fleet, "srv_ok") == ["joined"], fleet.events
+        assert fleet.replicas("adm_unit_e") == ["srv_ok"]
+        time.sleep(0.5)  # asked again meanwhile (every CHALLENGE_EVERY_S): still the wrong rank
+        assert _events(fleet, "srv_wrong_rank") == [], fleet.events
+        assert transport.calls.count("srv_wrong_rank") >= 2, transport.calls
+        assert "srv_wrong_rank" not in fleet.servers()
+
+        # another job's fleet: it reads only what its own secret signed, and the
+        # server here cannot open its challenge (a refusal): never admitted
+        stranger = Registry(store, other)
+        stranger.beat("srv_stranger", 5)
+        stranger.publish(ServerRecord("srv_stranger", 5, {"adm_unit_e": "stateless"}))
+        theirs = Fleet(store, "unit_other", 2, founder=False, reap=False, poll=0.02,
+                       transport=transport, secret=other)
+        fleets.append(theirs)
+        deadline = time.monotonic() + 10.0
+        while "refused" not in _events(theirs, "srv_stranger") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert _events(theirs, "srv_stranger") == ["refused"], theirs.events
+        refused = [e for e in theirs.events if e.kind == "refused"]
+        assert "refused the request" in refused[0].detail, refused
+        calls = transport.calls.count("srv_stranger")
+        time.sleep(0.3)
+        assert transport.calls.count("srv_stranger") == calls  # not asked again
+        assert theirs.servers() == {} and theirs.replicas("adm_unit_e") == []
+        assert "srv_stranger" not in fleet.servers() and "srv_ok" in fleet.servers()
+    finally:
+        for f in fleets:
+            f.shutdown()
         server.close()
 
 

@@ -1,7 +1,7 @@
 """``python -m moe_autograd serve --engine ray``: a server process that joins a
 running Ray cluster (the shared local instance, by its address), serves its
 experts as a named actor, drains on SIGTERM and takes its actor along when
-killed."""
+killed; a server process without the cluster's token cannot join it."""
 import os
 import signal
 import subprocess
@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from moe_autograd.remote import RemoteExpert, RemoteExpertError
+from wiring import ray_token_env
 
 pytestmark = pytest.mark.timeout(90)
 HERE = Path(__file__).resolve().parent
@@ -21,8 +22,10 @@ ROOT = HERE.parent.parent
 
 
 def _serve(name: str, address: str, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    # the cluster's token (a driver without it is refused at connect); the job's
+    # secret comes from MOE_AUTOGRAD_SECRET, which wiring exported
+    env = dict(os.environ, **ray_token_env(),
+               PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "moe_autograd", "serve", "--engine", "ray", "--address", address,
            "--experts", "remote_experts:cli_experts", "--name", name, "--drain-timeout", "1",
            "--backward", "stateful"]
@@ -76,3 +79,28 @@ def test_serve_engine_ray_sigterm_and_kill(ray_world: Dict[str, Any], tmp_path: 
             process.wait(10)
     log = (tmp_path / "cli-t.log").read_text()
     assert "signal received, draining" in log and "stopped" in log, log
+
+
+def test_serve_engine_ray_without_the_clusters_token(ray_world: Dict[str, Any],
+                                                    tmp_path: Path) -> None:
+    """A server process without the cluster's token cannot join it: it exits
+    75 (start it again) saying which variables to set."""
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    env.pop("RAY_AUTH_TOKEN", None)
+    env["RAY_AUTH_MODE"] = "token"  # token mode, but not the cluster's token: none at all
+    env["HOME"] = str(tmp_path)  # nor ~/.ray/auth_token
+    log = tmp_path / "cli-x.log"
+    cmd = [sys.executable, "-m", "moe_autograd", "serve", "--engine", "ray", "--address", address,
+           "--experts", "remote_experts:cli_experts", "--name", "cli-x"]
+    status = subprocess.run(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            timeout=60).returncode
+    text = log.read_text()
+    assert status == 75, text
+    assert "cannot connect to the Ray cluster" in text, text
+    assert "the cluster requires its token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN_PATH" \
+        in text, text

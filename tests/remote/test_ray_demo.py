@@ -18,6 +18,7 @@ from typing import List
 
 import pytest
 
+
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
@@ -43,6 +44,8 @@ def _session_processes(sid: int) -> List[str]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ray_elastic_demo_small() -> None:
     pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    # the demo starts a Ray of its own (token authentication on, a private
+    # directory) and makes its own job secret
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     env.pop("MOE_AUTOGRAD_WORKERS", None)

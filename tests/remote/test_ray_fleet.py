@@ -1,34 +1,50 @@
 """The elastic fleet on Ray's membership (RayFleet + FleetExpert): discovery by
-name, replicas with forward retry, backward to the replica holding the state,
-drain on leave, a killed server masked, a replacement serving."""
+name (of the servers that prove the job's secret only), replicas with forward
+retry, backward to the replica holding the state, drain on leave, a killed
+server masked, a replacement serving."""
 import os
 import signal
 import threading
 import time
-from typing import Any, Dict
+from pathlib import Path
+from typing import Any, Dict, List, Optional
 
 import pytest
 import torch
-from torch import nn
 
 import remote_experts as rx
 from moe_autograd.moe import MixtureOfExperts
-from moe_autograd.remote.ray_backend import RayExpertServer, start_servers
+from moe_autograd.remote import JobSecret
+from moe_autograd.remote.ray_server import RayExpertServer, start_servers
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any]) -> None:
+def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
+                                                tmp_path: Path) -> None:
     from moe_autograd.remote.ray_fleet import RayFleet
 
     servers = start_servers([("fl-1", "remote_experts:fleet_experts"),
                              ("fl-2", "remote_experts:fleet_experts")],
                             backward="stateful", ready_timeout=60.0)
-    fleet = RayFleet(poll=0.1, transport=ray_world["transport"])
-    extra = []
+    extra: List[Any] = []
+    fleet: Optional[RayFleet] = None
     try:
+        # another job's server in the same namespace, hosting the same name
+        other = JobSecret.generate().save(tmp_path / "other.secret")
+        extra.append(RayExpertServer("fl-x", "remote_experts:fleet_experts", secret_file=other,
+                                     ready_timeout=60.0))
+        fleet = RayFleet(poll=0.1, transport=ray_world["transport"])
         fleet.wait_for(["f_lin"], timeout=20.0, replicas=2)
         assert fleet.replicas("f_lin") == ["fl-1", "fl-2"]  # discovery by name, oldest first
+        # fl-x cannot open the fleet's sealed info(): refused, never chosen
+        deadline = time.monotonic() + 10.0
+        while not any(e.worker == "fl-x" for e in fleet.events) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        refused = [e for e in fleet.events if e.worker == "fl-x"]
+        assert [e.kind for e in refused] == ["refused"], fleet.events
+        assert "fl-x" not in fleet.servers()
+        extra.pop().kill()
         expert = fleet.expert("f_lin", forward_timeout=5.0, backward_timeout=5.0)
         local = rx.fleet_experts()["f_lin"]
         x = torch.randn(3, rx.WIDTH, requires_grad=True)
@@ -79,6 +95,7 @@ def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any]) -> No
         leaving.join(40.0)
         assert result == {"in_flight": 0, "live": 0}, result
     finally:
-        fleet.shutdown()
+        if fleet is not None:
+            fleet.shutdown()
         for server in servers + extra:
             server.kill()

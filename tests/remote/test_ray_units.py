@@ -1,12 +1,16 @@
-"""The Ray backend's arguments and the engine choice, without a Ray instance:
-bad input gets an error naming what was wrong."""
+"""The Ray engine's arguments, its refusal of a Ray without token
+authentication, and the engine choice, without a Ray instance: bad input gets
+an error naming what was wrong."""
 import pytest
 
-from moe_autograd.remote import AutoTransport, RayExpertServer, RayTransport, set_transport
-from moe_autograd.remote.ray_backend import ray_available
-from moe_autograd.remote.transport import TransportError, TransportSendError, get_transport
+from moe_autograd.remote import (AutoTransport, MissingSecretError, RayAuthError,
+                                 RayExpertServer, RayTransport, set_transport)
+from moe_autograd.remote.frame import Frame
+from moe_autograd.remote.ray_engine import ray_available
+from moe_autograd.remote.transport import TransportSendError, get_transport
 
 pytestmark = pytest.mark.timeout(30)
+needs_ray = pytest.mark.skipif(not ray_available(), reason="ray is not installed")
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
@@ -32,16 +36,17 @@ def test_ray_transport_refuses_bad_arguments() -> None:
     t = RayTransport(timeout=None)
     assert t.default_timeout() is None and "none" in t.timeout_hint()
     with pytest.raises(TransportSendError, match="timeout"):
-        t.call("srv", print, (), float("nan"))
+        t.call("srv", Frame(b""), float("nan"))
 
 
-@pytest.mark.skipif(not ray_available(), reason="ray is not installed")
+@needs_ray
 def test_ray_transport_without_ray_init(run_python) -> None:
     out = run_python("""
         from moe_autograd.remote import RayTransport
+        from moe_autograd.remote.frame import Frame
         from moe_autograd.remote.transport import TransportError
         t = RayTransport()
-        for what in (lambda: t.call("srv", print, (), 1.0), t.local_name):
+        for what in (lambda: t.call("srv", Frame(b""), 1.0), t.local_name):
             try:
                 what()
             except TransportError as error:
@@ -50,6 +55,108 @@ def test_ray_transport_without_ray_init(run_python) -> None:
     lines = out.splitlines()
     assert lines[0].startswith("TransportSendError | Ray is not initialised"), out
     assert lines[1].startswith("TransportError | Ray is not initialised"), out
+
+
+# -- a Ray without token authentication is refused, unless the user opts out ---------------
+@pytest.fixture
+def ray_without_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process "runs" a Ray that has no token authentication: Ray counts
+    as initialised (nothing is started) and token_auth_enabled() says no."""
+    import ray
+
+    from moe_autograd.remote import ray_engine
+
+    monkeypatch.setattr(ray_engine, "token_auth_enabled", lambda: False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+
+
+def _names_the_remedy(text: str) -> None:
+    assert "RAY_AUTH_MODE=token" in text and "RAY_AUTH_TOKEN_PATH" in text, text
+    assert "allow_unauthenticated=True" in text, text
+
+
+class _FakeRef:
+    """An ObjectRef whose value is there at once."""
+
+    def __init__(self, value) -> None:
+        self.value = value
+
+    def future(self):
+        from concurrent.futures import Future
+
+        future: Future = Future()
+        future.set_result(self.value)
+        return future
+
+
+class _FakeActor:
+    """An actor handle whose ``handle`` serves frames in this process
+    (``calls``: how many reached it)."""
+
+    def __init__(self, name: str) -> None:
+        from moe_autograd.remote.ray_engine import serve_frame
+
+        actor = self
+        self.calls = 0
+
+        class _Method:
+            @staticmethod
+            def remote(head, blob):
+                actor.calls += 1
+                return _FakeRef(serve_frame(head, blob, name))
+        self.handle = _Method
+
+
+@needs_ray
+def test_ray_transport_refuses_a_ray_without_token_auth(ray_without_token: None) -> None:
+    from torch import nn
+
+    from moe_autograd.remote import ExpertServer, RemoteExpertError, call_operation
+    from wiring import ask
+
+    server = ExpertServer({"ray_unit_auth_lin": nn.Linear(2, 2)})
+    try:
+        t, actor = RayTransport(), _FakeActor("srv")
+        t.use_handle("srv", actor)
+        with pytest.raises(TransportSendError) as info:
+            t.call("srv", Frame(b""), 1.0)
+        _names_the_remedy(str(info.value))
+        with pytest.raises(RemoteExpertError) as info:  # and so is every call through it
+            call_operation("srv", "anything", transport=t, timeout=1.0)
+        _names_the_remedy(str(info.value))
+        assert actor.calls == 0  # refused before anything was sent
+
+        # opted out: the same calls go through (to a fake actor serving in-process)
+        insecure, actor = RayTransport(allow_unauthenticated=True), _FakeActor("srv")
+        insecure.use_handle("srv", actor)
+        status, info_ = ask("srv", {"op": "info"}, insecure)
+        assert status == "ok" and "ray_unit_auth_lin" in info_["experts"], info_
+        with pytest.raises(RemoteExpertError, match="no operation 'anything'"):
+            call_operation("srv", "anything", transport=insecure, timeout=5.0)
+        assert actor.calls == 2
+    finally:
+        server.close()
+
+
+@needs_ray
+def test_ray_expert_server_refuses_a_ray_without_token_auth(ray_without_token: None,
+                                                            tmp_path) -> None:
+    from moe_autograd.remote.ray_server import _ExpertActor
+
+    with pytest.raises(RayAuthError) as info:  # the driver's side, before any actor starts
+        RayExpertServer("srv", "m:f")
+    assert "RayExpertServer 'srv'" in str(info.value)
+    _names_the_remedy(str(info.value))
+    with pytest.raises(RayAuthError) as info:  # the actor's own side, first thing it does
+        _ExpertActor("srv", "ns", "m:f", {}, 0, None, False)
+    assert "Ray expert server 'srv'" in str(info.value)
+    _names_the_remedy(str(info.value))
+    # opted out: past the check (to the secret file, which is missing here: nothing starts)
+    missing = str(tmp_path / "no.secret")
+    with pytest.raises(MissingSecretError, match="no.secret"):
+        RayExpertServer("srv", "m:f", secret_file=missing, allow_unauthenticated=True)
+    with pytest.raises(MissingSecretError, match="no.secret"):
+        _ExpertActor("srv", "ns", "m:f", {}, 0, missing, True)
 
 
 def test_set_transport_checks_and_restores() -> None:

@@ -1,10 +1,11 @@
 """Coalesced remote calls (issue 11): one request per worker per pass, the same
 semantics per call, and no pool thread per waiting call.
 
-Messages are counted through the transport seam (a transport that wraps the
-default one). The tests that count set the servers' linger long (a request
-then always answers all its calls at once), so scheduling cannot split a
-reply into a reply and a collect.
+Messages are counted through the transport seam (``wiring.Counting``, a
+transport that wraps the default one and records each frame's operation).
+The tests that count set the servers' linger long (a request then always
+answers all its calls at once), so scheduling cannot split a reply into a
+reply and a collect.
 """
 import gc
 import threading
@@ -21,17 +22,17 @@ from moe_autograd.executor import get_pool
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.parallel import start_calls
 from moe_autograd.remote import (ExpertServer, RemoteCall, RemoteExpert, RemoteExpertError,
-                                 RemoteTimeoutError, flush_releases)
-from moe_autograd.remote.batch_server import serve_batch, serve_collect
-from moe_autograd.remote.transport import Transport, TransportTimeout, get_transport
+                                 RemoteTimeoutError, call_operation, flush_releases)
+from moe_autograd.remote.frame import Frame
+from moe_autograd.remote.transport import TransportTimeout
+from wiring import InProcess, ask
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def rpc_sync(worker: str, fn: Any, *args: Any) -> Any:
-    from torch.distributed import rpc
-
-    return rpc.rpc_sync(worker, fn, args=args)
+def run(worker: str, name: str, *args: Any) -> Any:
+    """The test operation ``name`` (``remote_experts``) on ``worker``."""
+    return call_operation(worker, name, *args, timeout=20.0)
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
@@ -46,12 +47,12 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
 @pytest.fixture
 def lingering(world: Tuple[str, ...]) -> Iterator[None]:
     """Ready answers wait for all their siblings (no split replies)."""
-    old = [rpc_sync(w, rx.set_linger, 30.0) for w in world]
+    old = [run(w, "set_linger", 30.0) for w in world]
     try:
         yield
     finally:
         for w, value in zip(world, old):
-            rpc_sync(w, rx.set_linger, value)
+            run(w, "set_linger", value)
 
 
 def local_copy(expert: RemoteExpert, module: nn.Module) -> nn.Module:
@@ -75,10 +76,10 @@ def test_parallel_apply_sends_one_request_per_worker_and_pass(world, lingering, 
     xs = [torch.randn(3, rx.WIDTH, requires_grad=True) for _ in range(6)]
     inputs: List[Any] = [xs[0], xs[1], (xs[2], xs[3]), xs[4], xs[5]]
     outs = parallel_apply(experts, inputs)
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     loss = sum(o.square().sum() for o in [outs[0], outs[1], *outs[2], outs[3], outs[4]])
     loss.backward()
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
 
     lxs = [x.detach().clone().requires_grad_() for x in xs]
     locals_ = [local_a(lxs[0]), local_b(lxs[1]), local_two(lxs[2], lxs[3]), local_a(lxs[4]),
@@ -101,9 +102,9 @@ def test_map_and_moe_send_one_request_per_worker_and_pass(world, lingering) -> N
     xs = [torch.randn(2, rx.WIDTH, requires_grad=True) for _ in experts]
     t.take()
     results = map_with_parallel_backward(RemoteCall, *[e.function_args(x) for e, x in zip(experts, xs)])
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_forward"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["forward"]}
     sum(r[0].sum() for r in results).backward()
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_backward"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["backward"]}
     lxs = [x.detach().clone().requires_grad_() for x in xs]
     sum(m(x).sum() for m, x in zip(locals_, lxs)).backward()
     torch.testing.assert_close([x.grad for x in xs], [x.grad for x in lxs])
@@ -113,9 +114,9 @@ def test_map_and_moe_send_one_request_per_worker_and_pass(world, lingering) -> N
     moe = MixtureOfExperts(moe_experts, rx.WIDTH, k=4)  # every token visits every expert
     t.take()
     y, aux = moe(torch.randn(6, rx.WIDTH))
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     (y.sum() + aux).backward()
-    assert t.take() == {"srv-a": ["serve_batch"], "srv-b": ["serve_batch"]}
+    assert t.take() == {"srv-a": ["batch"], "srv-b": ["batch"]}
     assert moe.gate.weight.grad is not None
 
 
@@ -131,7 +132,7 @@ def test_a_failing_or_late_call_fails_only_itself(world) -> None:
     calls, group = start_calls(experts, xs)
     group.wait()
     elapsed = time.monotonic() - started
-    assert t.take()["srv-b"][0] == "serve_batch"  # one request (and collects for the rest)
+    assert t.take()["srv-b"][0] == "batch"  # one request (and collects for the rest)
     assert group.succeeded(0) and group.succeeded(3)
     failed, late = group.errors[1], group.errors[2]
     assert isinstance(failed, RemoteExpertError) and not isinstance(failed, TimeoutError)
@@ -232,25 +233,33 @@ def test_byte_caps_and_bad_jobs_fail_their_call_alone(world) -> None:
 
     # Jobs a request carries are single-call requests: each is checked alone.
     t = torch.randn(2, rx.WIDTH)
-    jobs = [("forward", ("lin", "client", "id-1", 0, True, [True, True], (t,)), None),
-            ("forward", ("lin", "client", "id-2", 0, True, [True], (t,)), None),
-            ("forward", ("lin", "mallory", "id-3", 0, True, [True], (t,)), None),
-            ("backward", ("sf_lin", "client", "never-stored", 0, None, [True], [t]), None)]
-    status, (answers, more) = rpc_sync("srv-a", serve_batch, "client", "b" * 32, jobs)
+
+    def forward(call: str, **change: Any) -> Dict[str, Any]:
+        return dict({"op": "forward", "expert": "lin", "call": call, "seed": 0, "grad": True,
+                     "flags": [True], "args": [t], "answer_by": None}, **change)
+    jobs = [forward("id-1", flags=[True, True]),
+            forward("id-2"),
+            {"op": "control", "expert": "lin", "what": "stats", "payload": None,
+             "answer_by": None},  # a batch carries forward and backward calls only
+            {"op": "backward", "expert": "sf_lin", "call": "never-stored", "seed": 0,
+             "flags": [True], "args": None, "grads": [t], "answer_by": None}]
+    status, (answers, more) = ask("srv-a", {"op": "batch", "batch": "b" * 32, "jobs": jobs})
     assert status == "ok" and not more
     assert answers[0][0] == "error" and "flags" in answers[0][1], answers[0]
     assert answers[1][0] == "ok" and answers[1][1][0][0].shape == t.shape
-    assert answers[2][0] == "error" and "a request carries its own client's calls" in answers[2][1]
+    assert answers[2][0] == "error" and "a job is a dict whose op is one of" in answers[2][1]
     assert answers[3][0] == "error" and "no state for call" in answers[3][1]
-    for bad, match in [(("client", "b" * 32, "nope"), "jobs must be a list"),
-                       (("client", "b" * 32, [("explode", (), None)]), "a job must be"),
-                       (("client", "b" * 32, [("forward", (), -1.0)]), "answer_by"),
-                       ((None, "b" * 32, jobs), "worker name must be")]:
-        status, text = rpc_sync("srv-a", serve_batch, *bad)
+    for bad, match in [({"batch": "b" * 32, "jobs": "nope"}, "jobs must be a list"),
+                       ({"batch": "b" * 32, "jobs": []}, "jobs must be a list"),
+                       ({"batch": "b" * 32, "jobs": [["forward", [], None]]}, "a job must be"),
+                       ({"batch": "b" * 32, "jobs": [forward("id-4", answer_by=-1.0)]},
+                        "answer_by"),
+                       ({"batch": None, "jobs": jobs}, "batch id must be")]:
+        status, text = ask("srv-a", dict(bad, op="batch"))
         assert status == "error" and match in text, (bad, text)
-    status, text = rpc_sync("srv-a", serve_collect, "client", "c" * 32)
+    status, text = ask("srv-a", {"op": "collect", "batch": "c" * 32})
     assert status == "error" and "unknown batch" in text
-    assert rpc_sync("srv-a", rx.kept_batches) == 0
+    assert run("srv-a", "kept_batches") == 0
 
 
 # -- no thread per waiting call -----------------------------------------------------------
@@ -259,8 +268,8 @@ def test_64_waiting_remote_calls_park_no_pool_thread(world) -> None:
     more than the client's 32 workers could carry one each) while the
     client's pool runs only the pass's one local call."""
     for w in world:  # earlier tests' stragglers (2 s sleeps) leave the servers' pools
-        assert wait_until(lambda w=w: rpc_sync(w, rx.pool_busy) == 0), w
-        rpc_sync(w, rx.close_gate)
+        assert wait_until(lambda w=w: run(w, "pool_busy") == 0), w
+        run(w, "close_gate")
     release_local = threading.Event()
     ran_on: List[str] = []
 
@@ -275,7 +284,7 @@ def test_64_waiting_remote_calls_park_no_pool_thread(world) -> None:
     threads_before = threading.active_count()
     try:
         calls, group = start_calls([*remote, local], xs)
-        assert wait_until(lambda: sum(rpc_sync(w, rx.gate_waiting) for w in world) == 64)
+        assert wait_until(lambda: sum(run(w, "gate_waiting") for w in world) == 64)
         assert wait_until(lambda: len(ran_on) == 1)
         # All 64 remote calls are in flight; one worker runs the local call.
         assert len(pool._running) == 1, len(pool._running)
@@ -285,7 +294,7 @@ def test_64_waiting_remote_calls_park_no_pool_thread(world) -> None:
     finally:
         release_local.set()
         for w in world:
-            rpc_sync(w, rx.open_gate)
+            run(w, "open_gate")
     group.wait()
     assert all(group.succeeded(i) for i in range(65)), [e for e in group.errors if e]
     torch.testing.assert_close(calls[0].outputs[0], xs[0] * 2)
@@ -293,32 +302,17 @@ def test_64_waiting_remote_calls_park_no_pool_thread(world) -> None:
 
 
 # -- the transport seam, in this process (no RPC world) -----------------------------------
-class _Ready:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: Optional[float]) -> Any:
-        return self.value
-
-
-class InProcess:
-    """Runs the server function at once; no callbacks (``done()`` is True)."""
-
-    name = "in-process"
+class Recording(InProcess):
+    """This process's endpoint as the worker ``here``, recording each frame's
+    label; no callbacks needed (its pendings are done at once)."""
 
     def __init__(self) -> None:
+        super().__init__("here")
         self.sent: List[str] = []
 
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> _Ready:
-        self.sent.append(fn.__name__)
-        return _Ready(fn(*args))
-
-    def local_name(self) -> str:
-        return "here"
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
+        self.sent.append(frame.label)
+        return super().call(worker, frame, timeout)
 
 
 class _Never:
@@ -345,8 +339,7 @@ class Silent:
     def __init__(self, default: Optional[float] = None) -> None:
         self.default = default
 
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> _Never:
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> _Never:
         return _Never()
 
     def local_name(self) -> str:
@@ -358,14 +351,14 @@ class Silent:
 
 @pytest.mark.parametrize("backward", ["stateless", "stateful"])
 def test_in_process_transport_coalesces(backward: str) -> None:
-    transport = InProcess()
+    transport = Recording()
     modules = {f"unit_bt_{backward}_{k}": nn.Linear(3, 3) for k in range(3)}
     with ExpertServer(modules, backward=backward, transport=transport):
         experts = [RemoteExpert("here", name, transport=transport) for name in modules]
         xs = [torch.randn(2, 3, requires_grad=True) for _ in experts]
         outs = parallel_apply(experts, xs)
         sum(o.sum() for o in outs).backward()
-        assert transport.sent == ["serve_batch", "serve_batch"]
+        assert transport.sent == ["batch:forward", "batch:backward"]
         lxs = [x.detach().clone().requires_grad_() for x in xs]
         sum(m(x).sum() for m, x in zip(modules.values(), lxs)).backward()
         torch.testing.assert_close([x.grad for x in xs], [x.grad for x in lxs])

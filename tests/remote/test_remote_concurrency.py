@@ -7,15 +7,15 @@ import torch
 
 import remote_experts as rx
 from moe_autograd import parallel_apply
-from moe_autograd.remote import RemoteExpert, RemoteExpertError, RemoteTimeoutError, flush_releases
+from moe_autograd.remote import (RemoteExpert, RemoteExpertError, RemoteTimeoutError,
+                                 call_operation, flush_releases)
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def rpc_sync(worker: str, fn, *args):
-    from torch.distributed import rpc
-
-    return rpc.rpc_sync(worker, fn, args=args)
+def run(worker: str, name: str, *args):
+    """The test operation ``name`` (``remote_experts``) on ``worker``."""
+    return call_operation(worker, name, *args, timeout=20.0)
 
 
 def wait_until(predicate, timeout: float = 5.0) -> bool:
@@ -33,7 +33,12 @@ def test_parallel_apply_overlaps_forward_and_backward(world, prefix: str) -> Non
     # 4-party barrier in both: the calls only finish if all 4 run at once on
     # the server, forward and backward (a stateless backward also recomputes
     # the forward, so it meets the barrier twice).
-    rpc_sync("srv-a", rx.reset_barrier, 4)
+    # Untimed: a process's first parallel_apply imports sympy (torch's lazy
+    # import, about a second), which the conftest's local warm-up no longer
+    # pays (local torch.nn experts run inline, without it).
+    parallel_apply([RemoteExpert("srv-a", "lin") for _ in range(2)],
+                   [torch.randn(2, rx.WIDTH, requires_grad=True) for _ in range(2)])
+    run("srv-a", "reset_barrier", 4)
     experts = [RemoteExpert("srv-a", prefix + "sleepy") for _ in range(4)]
     xs = [torch.randn(2, rx.WIDTH, requires_grad=True) for _ in experts]
     start = time.perf_counter()

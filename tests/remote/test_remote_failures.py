@@ -1,6 +1,9 @@
 """A world of its own: CLI servers, one killed mid-call, one stopped by SIGTERM.
 
 The client runs in a child process (this process may be in the shared world).
+The servers read the job's secret from a file (``--secret-file``, mode 600),
+as a deployment would, not from the environment; the client has it from
+``MOE_AUTOGRAD_SECRET`` (``wiring.SECRET``, the same secret).
 """
 import multiprocessing
 import os
@@ -12,25 +15,31 @@ from pathlib import Path
 import pytest
 
 import remote_experts as rx
+from moe_autograd.remote.auth import ENV_SECRET, ENV_SECRET_FILE
 from moe_autograd.remote.loopback import free_port, stop_processes
+from wiring import SECRET
 
 pytestmark = pytest.mark.timeout(90)
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def _start_cli(name: str, rank: int, port: int, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+def _start_cli(name: str, rank: int, port: int, log: Path, secret_file: Path
+               ) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=os.pathsep.join([str(HERE), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "moe_autograd.remote.cli", "serve",
            "--experts", "remote_experts:cli_experts", "--name", name, "--rank", str(rank),
-           "--world-size", "3", "--drain-timeout", "1"]
+           "--world-size", "3", "--drain-timeout", "1", "--secret-file", str(secret_file)]
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
 def test_killed_and_terminated_servers(tmp_path: Path) -> None:
     port = free_port()
-    servers = [_start_cli(n, r, port, tmp_path / f"{n}.log") for r, n in ((1, "srv-k"), (2, "srv-t"))]
+    secret_file = Path(SECRET.save(tmp_path / "job.secret"))
+    servers = [_start_cli(n, r, port, tmp_path / f"{n}.log", secret_file)
+               for r, n in ((1, "srv-k"), (2, "srv-t"))]
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     client = ctx.Process(target=rx.failure_client, args=(port, servers[0].pid, servers[1].pid, queue))

@@ -2,35 +2,40 @@
 items 3 and 4).
 
 * ``max_request_bytes`` bounds a coalesced request, not each call in it: the
-  calls to one server are admitted in order while their tensors fit together,
-  the others are refused before they run.
+  calls to one server are admitted in order while what they materialise fits
+  together, the others are refused before they run. Each call counts what IT
+  materialises: a tensor that several calls of one request share (it travels
+  once) counts once per call, and a stride-0 expanded tensor at its full size.
 * Every tensor reachable in a call's arguments is counted, however nested
-  (pytrees, ``SimpleNamespace``, dataclasses, ``__slots__``, deques, lists in
-  dicts), against ``max_request_bytes`` and, for a stateful call, against
-  ``max_state_bytes``.
+  (lists, tuples and dicts, the wire's containers), against
+  ``max_request_bytes`` and, for a stateful call, against ``max_state_bytes``;
+  anything else cannot travel at all (refused before it is sent).
 
-The servers live in this process and the ``serve_*`` functions are called
-directly (what the transport would run on a server's thread): no RPC world.
+The servers live in this process: either their handlers are called directly
+with an authenticated caller (``wiring.caller()``; what the endpoint runs on a
+server's thread), or requests go through the whole wire to this process's own
+endpoint (``wiring.InProcess``): no RPC world.
 """
 import threading
 from collections import deque
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_autograd.remote import ExpertServer
-from moe_autograd.remote.batch_server import serve_batch, serve_collect
-from moe_autograd.remote.server import serve_forward
-from moe_autograd.remote import sizes
+from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError, sizes, wire
+from moe_autograd.remote.batch_server import _batch_op, _collect_op
+from moe_autograd.remote.server import run_job
 from moe_autograd.remote.sizes import Tally, materialised_bytes
+from wiring import InProcess, ask, caller
 
 pytestmark = pytest.mark.timeout(60)
 WIDTH = 8
 MiB = 1 << 20
+HERE = "here"  # the worker name the in-process transport serves as
 
 
 class CountingLinear(nn.Module):
@@ -56,8 +61,9 @@ def stride0(nbytes: int) -> Tensor:
 @pytest.fixture
 def limited() -> Iterator[Tuple[CountingLinear, CountingLinear]]:
     a, b = CountingLinear(), CountingLinear()
-    servers = [ExpertServer({"lim_a": a}, max_request_bytes=1 * MiB),
-               ExpertServer({"lim_b": b}, max_request_bytes=None)]
+    transport = InProcess(HERE)
+    servers = [ExpertServer({"lim_a": a}, max_request_bytes=1 * MiB, transport=transport),
+               ExpertServer({"lim_b": b}, max_request_bytes=None, transport=transport)]
     try:
         yield a, b
     finally:
@@ -65,16 +71,18 @@ def limited() -> Iterator[Tuple[CountingLinear, CountingLinear]]:
             server.close()
 
 
-def _job(name: str, k: int, x: Tensor, owner: str = "me") -> Tuple[str, Any, None]:
-    return ("forward", (name, owner, f"call-{name}-{k}", 0, True, [False], (x,)), None)
+def _job(name: str, k: int, x: Tensor) -> Dict[str, Any]:
+    return {"op": "forward", "expert": name, "call": f"call-{name}-{k}", "seed": 0,
+            "grad": True, "flags": [False], "args": [x], "answer_by": None}
 
 
 def _batch(batch_id: str, jobs: List[Any]) -> List[Any]:
     """Every answer of a coalesced request (collecting the rest as a client would)."""
-    status, (answers, more) = serve_batch("me", batch_id, jobs)
+    me = caller()
+    status, (answers, more) = _batch_op(me, {"op": "batch", "batch": batch_id, "jobs": jobs})
     assert status == "ok", answers
     while more:
-        status, (rest, more) = serve_collect("me", batch_id)
+        status, (rest, more) = _collect_op(me, {"op": "collect", "batch": batch_id})
         assert status == "ok", rest
         answers = [a if a is not None else r for a, r in zip(answers, rest)]
     return answers
@@ -93,14 +101,42 @@ def test_request_limit_bounds_the_whole_coalesced_request(limited: Any) -> None:
     assert a.calls == 1  # the refused calls never ran
 
     # Calls to another server of the same request have their own budget; a
-    # shared tensor counts once; a later, smaller call that fits is admitted.
+    # tensor two calls share counts for both (0.5 MiB together here); a later,
+    # smaller call that fits is admitted after one that did not fit.
     a.calls = 0
-    shared = stride0(MiB // 2)
+    shared = stride0(MiB // 4)
     jobs = [_job("lim_a", 10, shared), _job("lim_a", 11, shared), _job("lim_a", 12, stride0(MiB)),
             _job("lim_b", 13, stride0(8 * MiB)), _job("lim_a", 14, torch.randn(4, WIDTH))]
     answers = _batch("batch-limit-2", jobs)
     assert [answer[0] for answer in answers] == ["ok", "ok", "error", "ok", "ok"], answers
+    assert f"with the {MiB // 2} bytes of the calls admitted before it" in answers[2][1], answers[2]
     assert a.calls == 3 and b.calls == 1
+
+
+def test_a_tensor_shared_by_jobs_counts_for_each_job(limited: Any) -> None:
+    """One tensor travels once (and arrives as one object) however many jobs
+    of a request use it, but every job materialises it: it counts for each."""
+    a, _ = limited
+    shared = stride0(5 * MiB // 8)  # 0.625 MiB expanded: fits 1 MiB once, not twice
+    message = {"op": "batch", "batch": "batch-shared",
+               "jobs": [_job("lim_a", 20 + k, shared) for k in range(4)]}
+    _, buffers = wire.encode(message)
+    assert [wire.tensor_nbytes(t) for t in buffers] == [4 * WIDTH]  # once, 32 bytes on the wire
+    status, (answers, more) = ask(HERE, message, InProcess(HERE))  # the whole wire
+    assert status == "ok" and not more, answers
+    assert answers[0][0] == "ok", answers[0]
+    for answer in answers[1:]:
+        assert answer[0] == "error", answer
+        assert answer[1].startswith("MemoryError: forward request of expert 'lim_a' carries "
+                                    f"{5 * MiB // 8} bytes"), answer[1]
+        assert "max_request_bytes=1048576" in answer[1], answer[1]
+        assert "a tensor several calls share counts for each" in answer[1], answer[1]
+    assert a.calls == 1  # nothing ran for the refused jobs
+    # The same jobs in requests of their own are each admitted.
+    for k in range(2):
+        status, value = run_job(caller(), _job("lim_a", 30 + k, shared))
+        assert status == "ok", value
+    assert a.calls == 3
 
 
 @dataclass
@@ -119,42 +155,71 @@ def _nestings(t: Tensor) -> List[Any]:
     return [
         [[[[[t]]]]],                                   # five levels of lists
         {"a": {"b": {"c": {"d": {"e": (t,)}}}}},       # dicts in dicts, a tuple at the end
-        SimpleNamespace(x=SimpleNamespace(y=[t])),     # namespaces
-        Holder(payload={"k": [Holder(payload=t)]}),    # dataclasses, lists in dicts
-        Slotted(Slotted(deque([t]))),                  # __slots__ and a deque
-        {("key", 1): [{"deep": [[{"t": t}]]}]},        # lists in dicts in lists
+        ((((t,),),),),                                 # tuples in tuples
+        {"k": [{"inner": [t]}]},                       # lists in dicts in lists
+        [{"deep": [[{"t": t}]]}, (None, 1.5, "s")],    # mixed, with other wire values
     ]
 
 
-NESTINGS = ["lists", "dicts", "namespace", "dataclass", "slots-deque", "mixed"]
+NESTINGS = ["lists", "dicts", "tuples", "dict-list", "mixed"]
 
 
 @pytest.mark.parametrize("k", range(len(NESTINGS)), ids=NESTINGS)
 def test_nested_tensors_count_against_the_request_limit(limited: Any, k: int) -> None:
     a, _ = limited
     extra = _nestings(stride0(4 * MiB))[k]
-    status, text = serve_forward("lim_a", "me", f"nested-{k}", 0, True, [False, False],
-                                 (torch.randn(4, WIDTH), extra))
-    assert status == "error" and "max_request_bytes=1048576" in text, text
-    assert str(4 * MiB + 4 * WIDTH * 4) in text, text  # counted in full, with x
+    expert = RemoteExpert(HERE, "lim_a", transport=InProcess(HERE))
+    with pytest.raises(RemoteExpertError, match="max_request_bytes=1048576") as info:
+        expert(torch.randn(4, WIDTH), extra)  # through the wire: nested as sent
+    assert str(4 * MiB + 4 * WIDTH * 4) in str(info.value), info.value  # counted in full, with x
     assert a.calls == 0
+    assert expert(torch.randn(4, WIDTH), _nestings(torch.zeros(16))[k]).shape == (4, WIDTH)
+
+
+@pytest.mark.parametrize("extra", [
+    SimpleNamespace(x=SimpleNamespace(y=[torch.zeros(4)])),     # namespaces
+    Holder(payload={"k": [Holder(payload=torch.zeros(4))]}),    # dataclasses
+    Slotted(Slotted([torch.zeros(4)])),                         # __slots__
+    [deque([torch.zeros(4)])],                                  # a deque in a list
+    {("key", 1): [torch.zeros(4)]},                             # a dict with a non-str key
+], ids=["namespace", "dataclass", "slots", "deque", "tuple-key"])
+def test_arguments_that_cannot_travel_are_refused_before_sending(limited: Any,
+                                                                 extra: Any) -> None:
+    """Where the old pickled arguments could hide a tensor in any object, the
+    wire carries only its schema: anything else is refused by the client,
+    naming where it is, and never reaches a server."""
+    a, _ = limited
+    sent: List[str] = []
+
+    class Recording(InProcess):
+        def call(self, worker: str, frame: Any, timeout: Any) -> Any:
+            sent.append(frame.label)
+            return super().call(worker, frame, timeout)
+    expert = RemoteExpert(HERE, "lim_a", transport=Recording(HERE))
+    with pytest.raises(TypeError, match="argument list\\[1\\].*(cannot travel|keys must be str)"):
+        expert(torch.randn(4, WIDTH), extra)
+    assert sent == [] and a.calls == 0
 
 
 @pytest.mark.parametrize("k", range(len(NESTINGS)), ids=NESTINGS)
 def test_nested_tensors_count_against_the_state_limit(k: int) -> None:
     module = CountingLinear()
     server = ExpertServer({f"lim_state_{k}": module}, backward="stateful",
-                          max_request_bytes=None, max_state_bytes=2 * MiB)
+                          max_request_bytes=None, max_state_bytes=2 * MiB,
+                          transport=InProcess(HERE))
+    me = caller()
     try:
         big = torch.zeros(4 * MiB // 4)  # a real 4 MiB tensor, held by the state
         x = torch.randn(4, WIDTH, requires_grad=True)
-        status, text = serve_forward(f"lim_state_{k}", "me", f"state-{k}", 0, True, [True, False],
-                                     (x, _nestings(big)[k]))
+
+        def forward(call: str, extra: Any) -> List[Any]:
+            return run_job(me, {"op": "forward", "expert": f"lim_state_{k}", "call": call,
+                                "seed": 0, "grad": True, "flags": [True, False],
+                                "args": [x, extra]})
+        status, text = forward(f"state-{k}", _nestings(big)[k])
         assert status == "error" and "max_state_bytes=2097152" in text, text
         assert server.stats()["live"] == 0 and server.stats()["bytes"] == 0
-        small = _nestings(torch.zeros(16))[k]
-        status, value = serve_forward(f"lim_state_{k}", "me", f"state-ok-{k}", 0, True,
-                                      [True, False], (x, small))
+        status, value = forward(f"state-ok-{k}", _nestings(torch.zeros(16))[k])
         assert status == "ok", value
         stats = server.stats()
         assert stats["live"] == 1
@@ -167,15 +232,21 @@ def test_tally_counts_each_tensor_once_and_bounds_its_walk(monkeypatch: pytest.M
                                                            ) -> None:
     t = torch.zeros(10)
     assert materialised_bytes([t, {"again": t}, (t, t.view(2, 5))]) == 80
-    loop: List[Any] = [t]
-    loop.append(loop)  # a cycle ends the walk, it does not hang it
-    assert materialised_bytes(loop) == 40
+    assert materialised_bytes(t.expand(4, 10)) == 160  # stride 0: at full size
     tally = Tally()
     assert tally.add([t]) == 40 and tally.add({"t": t}) == 0 and tally.total == 40
     assert tally.add(torch.zeros(100), limit=100) is None and tally.total == 40  # refused: as was
     assert tally.add(torch.zeros(10), limit=100) == 40 and tally.total == 80
+    # One tally per job: the jobs of a request that share t count it each.
+    assert [Tally().add([t], [t]) for _ in range(3)] == [40, 40, 40]
     monkeypatch.setattr(sizes, "MAX_OBJECTS", 1000)  # (1 << 20 by default)
     wide = [[] for _ in range(1001)]
     with pytest.raises(ValueError, match="more than 1000 objects"):
         materialised_bytes(wide)
     assert materialised_bytes([[] for _ in range(999)]) == 0
+    # A cycle cannot arrive (the wire has no references), and cannot hang the
+    # walk either: it ends past MAX_OBJECTS, refused.
+    loop: List[Any] = [t]
+    loop.append(loop)
+    with pytest.raises(ValueError, match="more than 1000 objects"):
+        materialised_bytes(loop)

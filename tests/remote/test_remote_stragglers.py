@@ -15,10 +15,9 @@ import os
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import pytest
 import torch
@@ -26,18 +25,16 @@ import torch
 import remote_experts as rx
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.parallel import start_calls
-from moe_autograd.remote import RemoteExpert, RemoteTimeoutError
+from moe_autograd.remote import RemoteExpert, RemoteTimeoutError, call_operation
 from moe_autograd.remote.loopback import free_port, start_servers, stop_processes
-from moe_autograd.remote.transport import Transport, get_transport
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
 
-def rpc_sync(worker: str, fn: Any, *args: Any) -> Any:
-    from torch.distributed import rpc
-
-    return rpc.rpc_sync(worker, fn, args=args)
+def run(worker: str, name: str, *args: Any) -> Any:
+    """The test operation ``name`` (``remote_experts``) on ``worker``."""
+    return call_operation(worker, name, *args, timeout=20.0)
 
 
 def cpu_seconds() -> float:
@@ -45,68 +42,57 @@ def cpu_seconds() -> float:
     return times.user + times.system
 
 
-class Counting:
-    """The default transport, counting every message sent through it."""
+@pytest.fixture
+def warm(world: Any) -> Any:
+    """The shared world, after one untimed coalesced pass: a process's first
+    pass imports sympy (torch's lazy import: about a CPU second), which the
+    conftest's local warm-up no longer pays (local torch.nn experts run inline)."""
+    from moe_autograd import parallel_apply
 
-    name = "counting"
-
-    def __init__(self) -> None:
-        self.inner: Transport = get_transport()
-        self.sent: List[str] = []
-        self._lock = threading.Lock()
-
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> Any:
-        with self._lock:
-            self.sent.append(fn.__name__)
-        return self.inner.call(worker, fn, args, timeout)
-
-    def local_name(self) -> str:
-        return self.inner.local_name()
-
-    def default_timeout(self) -> Optional[float]:
-        return self.inner.default_timeout()  # type: ignore[attr-defined, no-any-return]
+    parallel_apply([RemoteExpert(w, "lin") for w in world],
+                   [torch.randn(2, rx.WIDTH, requires_grad=True) for _ in world])
+    return world
 
 
 # -- item 1: no busy loop on collect ------------------------------------------------------
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("own", [None, 1.0], ids=["no-own-deadline", "own-1s"])
-def test_masked_forward_straggler_costs_a_few_messages(world: Any, own: Optional[float]) -> None:
-    t = Counting()
+def test_masked_forward_straggler_costs_a_few_messages(warm: Any, own: Optional[float]) -> None:
+    t = rx.Counting()  # records (worker, operation) of each call message it carries
     experts = [RemoteExpert("srv-a", "lin", forward_timeout=own, transport=t),
                RemoteExpert("srv-a", "slow", forward_timeout=own, transport=t)]  # sleeps 2 s
     moe = MixtureOfExperts(experts, rx.WIDTH, k=2, forward_timeout=0.3)
     x = torch.randn(8, rx.WIDTH, requires_grad=True)
-    client, server = cpu_seconds(), rpc_sync("srv-a", rx.cpu_seconds)
+    client, server = cpu_seconds(), run("srv-a", "cpu_seconds")
     y, aux = moe(x)
     assert [s["timeouts"] for s in moe.stats()] == [0, 1], moe.stats()
     time.sleep(2.3)  # the straggler ends on the server (or at its own 1 s deadline)
-    client, server = cpu_seconds() - client, rpc_sync("srv-a", rx.cpu_seconds) - server
-    assert t.sent[0] == "serve_batch" and len(t.sent) <= 3, t.sent  # not thousands
+    client, server = cpu_seconds() - client, run("srv-a", "cpu_seconds") - server
+    assert t.sent[0] == ("srv-a", "batch") and len(t.sent) <= 3, t.sent  # not thousands
     assert client < 0.3 and server < 0.3, (client, server)  # not a core's worth
-    assert rpc_sync("srv-a", rx.kept_batches) == 0  # dropped once nobody waits
+    assert run("srv-a", "kept_batches") == 0  # dropped once nobody waits
     (y.sum() + aux).backward()
     assert x.grad is not None
 
 
 @pytest.mark.timeout(60)
-def test_masked_backward_straggler_costs_a_few_messages(world: Any) -> None:
-    t = Counting()
+def test_masked_backward_straggler_costs_a_few_messages(warm: Any) -> None:
+    t = rx.Counting()
     experts = [RemoteExpert("srv-b", "lin", transport=t),
                RemoteExpert("srv-b", "slow_bwd", transport=t)]  # sleeps 2 s in backward
     moe = MixtureOfExperts(experts, rx.WIDTH, k=2, backward_timeout=0.3)
     x = torch.randn(8, rx.WIDTH, requires_grad=True)
     y, aux = moe(x)
     sent = len(t.sent)
-    client, server = cpu_seconds(), rpc_sync("srv-b", rx.cpu_seconds)
+    client, server = cpu_seconds(), run("srv-b", "cpu_seconds")
     (y.sum() + aux).backward()
     assert [s["backward_timeouts"] for s in moe.stats()] == [0, 1], moe.stats()
     time.sleep(2.3)
-    client, server = cpu_seconds() - client, rpc_sync("srv-b", rx.cpu_seconds) - server
+    client, server = cpu_seconds() - client, run("srv-b", "cpu_seconds") - server
     backward = t.sent[sent:]
-    assert backward[0] == "serve_batch" and len(backward) <= 3, backward
+    assert backward[0] == ("srv-b", "batch") and len(backward) <= 3, backward
     assert client < 0.3 and server < 0.3, (client, server)
-    assert rpc_sync("srv-b", rx.kept_batches) == 0
+    assert run("srv-b", "kept_batches") == 0
 
 
 class _Nap(torch.nn.Module):
@@ -125,29 +111,40 @@ def test_server_answers_a_collect_only_with_news_or_at_give_up() -> None:
     answer or the give-up (every job's answer_by), then says "no more" and
     drops the batch; a batch nobody collects is dropped at the give-up."""
     from moe_autograd.remote import ExpertServer
-    from moe_autograd.remote.batch_server import kept_batches, serve_batch, serve_collect
+    from moe_autograd.remote.batch_server import _batch_op, _collect_op, kept_batches
+    from wiring import caller
 
     server = ExpertServer({"nap_fast": _Nap(0.0), "nap_slow": _Nap(1.5)})
+    me = caller()
     try:
         x = torch.randn(2, rx.WIDTH)
 
-        def jobs(tag: str) -> List[Any]:
-            return [("forward", (name, "me", f"{tag}-{name}", 0, False, [False], (x,)), 0.4)
+        def batch(batch_id: str, tag: str) -> List[Any]:
+            jobs = [{"op": "forward", "expert": name, "call": f"{tag}-{name}", "seed": 0,
+                     "grad": False, "flags": [False], "args": [x], "answer_by": 0.4}
                     for name in ("nap_fast", "nap_slow")]
+            return _batch_op(me, {"op": "batch", "batch": batch_id, "jobs": jobs})
+
+        def collect(batch_id: str) -> List[Any]:
+            return _collect_op(me, {"op": "collect", "batch": batch_id})
         start = time.monotonic()
-        status, (answers, more) = serve_batch("me", "b-news", jobs("a"))
+        status, (answers, more) = batch("b-news", "a")
         assert status == "ok" and more and answers[0][0] == "ok" and answers[1] is None
         assert kept_batches() == 1
-        status, (answers, more) = serve_collect("me", "b-news")  # nothing new will come in time
+        status, (answers, more) = collect("b-news")  # nothing new will come in time
         waited = time.monotonic() - start
         assert status == "ok" and not more and answers == [None, None], answers
         assert 0.35 < waited < 1.0, waited  # at the give-up, not at once, not at the answer
         assert kept_batches() == 0
-        status, text = serve_collect("me", "b-news")
+        status, text = collect("b-news")
         assert status == "error" and "unknown batch" in text
 
-        status, (answers, more) = serve_batch("me", "b-orphan", jobs("b"))
+        status, (answers, more) = batch("b-orphan", "b")
         assert more and kept_batches() == 1  # its client gave up: it never collects
+        # another session of the job can neither collect nor drop it
+        status, text = _collect_op(caller(b"t" * 16), {"op": "collect", "batch": "b-orphan"})
+        assert status == "error" and "unknown batch" in text
+        assert kept_batches() == 1
         time.sleep(0.5)
         assert kept_batches() == 0
     finally:
@@ -180,15 +177,13 @@ def test_sub_millisecond_deadlines_are_enforced(world: Any, deadline: float) -> 
 _EXIT_SCRIPT = textwrap.dedent("""
     import sys, time
     import torch
-    from torch.distributed import rpc
     from moe_autograd.moe import MixtureOfExperts
-    from moe_autograd.remote import RemoteExpert
+    from moe_autograd.remote import RemoteExpert, start_rpc
     from moe_autograd.remote.loopback import backend_options
 
     def main():
         port = int(sys.argv[1])
-        rpc.init_rpc("client", rank=0, world_size=2,
-                     rpc_backend_options=backend_options(port, rpc_timeout=60.0))
+        start_rpc("client", 0, 2, backend_options(port, rpc_timeout=60.0))
         x = torch.randn(8, 8, requires_grad=True)
         RemoteExpert("exit-srv", "lin")(x)  # warm-up
         tolerant = dict(k_min=0, allow_zero_outputs=True, backward_k_min=0)
@@ -230,6 +225,7 @@ def test_exit_status_is_kept_with_masked_remote_stragglers(tmp_path: Path) -> No
     script.write_text(_EXIT_SCRIPT)
     port = free_port()
     servers = start_servers(port, 2, ["exit-srv"], "remote_experts:straggler_servers")
+    # (the script is a member of the test job: it inherits MOE_AUTOGRAD_SECRET)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
     try:

@@ -1,17 +1,28 @@
 """Pieces of the remote package that need no RPC world: the state store, the
-CLI's argument handling, and the transport seam (an in-process transport)."""
+CLI's argument handling and its secrets, and the transport seam (an
+in-process transport: frames served by this process's own endpoint)."""
+import os
+import stat
+import subprocess
+import sys
 import time
-from typing import Any, Callable, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, List, Optional
 
 import pytest
 import torch
 from torch import nn
 
-from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError, RemoteTimeoutError
-from moe_autograd.remote.cli import build_parser, load_object, main
+from moe_autograd.remote import (ExpertServer, JobSecret, RemoteAuthError, RemoteExpert,
+                                 RemoteExpertError, RemoteTimeoutError, endpoint)
+from moe_autograd.remote.auth import ENV_SECRET, ENV_SECRET_FILE
+from moe_autograd.remote.cli import build_parser, load_object, main, secret_main
+from moe_autograd.remote.frame import Frame
 from moe_autograd.remote.state import CallState, StateStore
 from moe_autograd.remote.transport import TransportTimeout
+from wiring import SECRET, InProcess
 
+ROOT = Path(__file__).resolve().parent.parent.parent
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -46,9 +57,9 @@ def test_state_store_ids_are_owned_and_never_reused() -> None:
     store.put("x", _state("a"))
     with pytest.raises(LookupError, match="already held"):  # item 1: never a silent no-store
         store.put("x", _state("b"))
-    with pytest.raises(LookupError, match="belongs to worker 'a', not 'b'"):
-        store.take("b", "x", "e")
-    assert store.release("b", ["x"]) == 0  # another worker's release is refused
+    with pytest.raises(LookupError, match="call 'x' belongs to another session"):
+        store.take("b", "x", "e")  # (owners are sessions; the error names neither)
+    assert store.release("b", ["x"]) == 0  # another session's release is refused
     with pytest.raises(LookupError, match="belongs to expert 'e', not 'f'"):
         store.take("a", "x", "f")
 
@@ -101,27 +112,23 @@ class _Ready:
         return self.value
 
 
-class InProcess:
-    """A transport that runs the server function at once, in this process."""
+class Hooked(InProcess):
+    """This process's endpoint as the worker ``here``; with ``hook``, each
+    frame's reply is ``hook(frame)`` instead (an exception: the pending raises it)."""
 
-    name = "in-process"
-
-    def __init__(self, hook: Optional[Callable[[Any], Any]] = None) -> None:
+    def __init__(self, hook: Optional[Callable[[Frame], Any]] = None) -> None:
+        super().__init__("here")
         self.hook = hook
 
-    def call(self, worker: str, fn: Callable[..., Any], args: Tuple[Any, ...],
-             timeout: Optional[float]) -> _Ready:
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
         if self.hook is not None:
-            return _Ready(self.hook(fn))
-        return _Ready(fn(*args))
-
-    def local_name(self) -> str:
-        return "here"
+            return _Ready(self.hook(frame))
+        return super().call(worker, frame, timeout)
 
 
 @pytest.mark.parametrize("backward", ["stateless", "stateful"])
 def test_in_process_transport_seam(backward: str) -> None:
-    transport = InProcess()
+    transport = Hooked()
     module = nn.Linear(3, 3)
     with ExpertServer({f"unit_{backward}": module}, backward=backward, transport=transport) as server:
         assert server.worker == "here"
@@ -133,19 +140,29 @@ def test_in_process_transport_seam(backward: str) -> None:
         module(lx).sum().backward()
         torch.testing.assert_close(x.grad, lx.grad)
         assert server.stats()["live"] == 0
-    with pytest.raises(RemoteExpertError, match="unknown expert"):
-        expert(x)  # closed: the expert is gone
+    # Closed: the expert is gone, and with it (no other server of this process
+    # serving the job) the job's key: the gate refuses the request unread.
+    served = SECRET.key_id.hex() in endpoint.gate().jobs()
+    with pytest.raises(RemoteExpertError, match="unknown expert" if served else "unknown job"
+                       ) as info:
+        expert(x)
+    assert served or isinstance(info.value, RemoteAuthError), info.value
 
 
 def test_transport_timeout_becomes_remote_timeout_error() -> None:
-    expert = RemoteExpert("w", "e", forward_timeout=0.1,
-                          transport=InProcess(lambda fn: TransportTimeout("too slow")))
+    labels: List[str] = []
+
+    def too_slow(frame: Frame) -> Any:
+        labels.append(frame.label)
+        return TransportTimeout("too slow")
+    expert = RemoteExpert("w", "e", forward_timeout=0.1, transport=Hooked(too_slow))
     with pytest.raises(RemoteTimeoutError, match="'e' on worker 'w' missed its 0.1 s deadline"):
         expert(torch.randn(1))
+    assert labels == ["forward"]
 
 
 def test_duplicate_expert_names_are_refused() -> None:
-    transport = InProcess()
+    transport = Hooked()
     with ExpertServer({"unit_dup": nn.Linear(1, 1)}, transport=transport):
         with pytest.raises(ValueError, match="already served"):
             ExpertServer({"unit_dup": nn.Linear(1, 1)}, transport=transport)
@@ -153,20 +170,65 @@ def test_duplicate_expert_names_are_refused() -> None:
         ExpertServer({}, backward="sometimes")
 
 
-def test_cli_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("MASTER_PORT", "1234")
     monkeypatch.setenv("RANK", "3")
+    monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
     args = build_parser().parse_args(["--experts", "m:f"])
     assert (args.master_port, args.rank, args.world_size) == (1234, 3, None)
     assert (args.max_request_bytes, args.max_state_bytes, args.non_finite_grads) == (
         256 << 20, 1 << 30, "skip")
+    assert (args.secret_file, args.insecure) == (None, False)
     args = build_parser().parse_args(["--experts", "m:f", "--max-state-bytes", "none",
-                                      "--max-request-bytes", "4096", "--non-finite-grads", "raise"])
+                                      "--max-request-bytes", "4096", "--non-finite-grads", "raise",
+                                      "--secret-file", "job.secret", "--insecure"])
     assert (args.max_request_bytes, args.max_state_bytes, args.non_finite_grads) == (
         4096, None, "raise")
+    assert (args.secret_file, args.insecure) == ("job.secret", True)
+    monkeypatch.setenv(ENV_SECRET_FILE, "/etc/moe/job.secret")  # the default --secret-file
+    assert build_parser().parse_args(["--experts", "m:f"]).secret_file == "/etc/moe/job.secret"
     assert load_object("moe_autograd.remote.cli:main") is main
     with pytest.raises(ValueError, match="package.module:function"):
         load_object("no_colon")
     with pytest.raises(SystemExit) as info:
         main(["serve"])  # --experts is required
     assert info.value.code == 2
+    # A secret file that is missing, or that others may read, is refused
+    # (exit 2) before anything is loaded or started.
+    loose = tmp_path / "loose.secret"
+    loose.write_text(JobSecret.generate().hex())
+    loose.chmod(0o644)
+    for path in (tmp_path / "missing.secret", loose):
+        with pytest.raises(SystemExit) as info:
+            main(["serve", "--experts", "m:f", "--rank", "0", "--secret-file", str(path)])
+        assert info.value.code == 2, path
+
+
+def test_secret_command_writes_a_private_file_and_never_overwrites(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    path = tmp_path / "job.secret"
+    assert secret_main(["--out", str(path)]) == 0
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    secret = JobSecret.from_file(path)
+    assert secret.key_id.hex() in capsys.readouterr().out
+    assert secret != SECRET  # a new one
+    written = path.read_text()
+    # through the package's entry point, as a user runs it: refused, exit 2
+    env = dict(os.environ,
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "moe_autograd", "secret", "--out", str(path)],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "never overwritten" in done.stderr, done.stderr
+    assert path.read_text() == written and JobSecret.from_file(path) == secret
+
+
+def test_serve_without_a_secret_says_how_to_make_one(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-m", "moe_autograd", "serve", "--experts",
+                           "remote_experts:cli_experts", "--rank", "1", "--world-size", "2"],
+                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert "no job secret" in done.stderr, done.stderr
+    assert "python -m moe_autograd secret" in done.stderr, done.stderr

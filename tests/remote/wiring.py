@@ -12,18 +12,17 @@ test worlds, an in-process transport, raw requests, and a counting transport.
 * :func:`ask`: a raw request (a message dict) to a worker: its reply pair.
 * :class:`Counting`: a transport that records the operation of each message
   it carries (``"batch"``, ``"collect"``, ``"forward"``, ``"backward"``, ...).
-* :func:`ray_token_env` / :func:`init_local_ray`: a Ray of this test's own, with
-  token authentication on (a token file in a private directory: nothing in
-  the user's home or ``/tmp/ray`` is read or written).
+* :func:`init_local_ray` / :func:`shutdown_local_ray` / :func:`ray_token_env`: a
+  Ray of this process's own, with token authentication on (the benches'
+  ``local_ray``: nothing in the user's home or ``/tmp/ray`` is read or written).
 """
+import contextlib
 import os
-import secrets
-import shutil
-import tempfile
 import threading
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from moe_autograd.remote import JobSecret, endpoint
+from moe_autograd.remote import JobSecret, RemoteExpert, call_operation, endpoint
 from moe_autograd.remote.auth import ENV_SECRET, Caller
 from moe_autograd.remote.channel import request
 from moe_autograd.remote.frame import Frame
@@ -32,52 +31,37 @@ from moe_autograd.remote.transport import Transport, get_transport
 SECRET = JobSecret.from_hex(os.environ[ENV_SECRET]) if os.environ.get(ENV_SECRET) \
     else JobSecret.generate()
 os.environ[ENV_SECRET] = SECRET.hex()
-_ray_dirs: List[str] = []
+_ray: List[Any] = []  # [the ExitStack of the Ray this process started, its LocalRay]
+
+
+def init_local_ray(python_path: Tuple[str, ...] = (), **options: Any) -> Any:
+    """A new local Ray of this process's own, connected until
+    :func:`shutdown_local_ray` (moe_autograd.bench.ray_remote.local_ray: token
+    authentication on, its token and every file of Ray's in a private
+    directory, nodes on loopback; nothing in /tmp/ray or ~/.ray)."""
+    from moe_autograd.bench.ray_remote import local_ray
+
+    stack = contextlib.ExitStack()
+    here = stack.enter_context(local_ray(python_path=python_path, **options))
+    _ray[:] = [stack, here]
+    return here
+
+
+def shutdown_local_ray() -> None:
+    """Shuts the Ray of :func:`init_local_ray` down and removes its files."""
+    if _ray:
+        stack = _ray[0]
+        _ray.clear()
+        stack.close()
 
 
 def ray_token_env() -> Dict[str, str]:
-    """The environment of a Ray with token authentication whose token lives
-    in a private directory (made once per process; Ray's temporary files go
-    there too: :func:`ray_temp_dir`)."""
-    if not _ray_dirs:
-        _ray_dirs.append(tempfile.mkdtemp(prefix="moe-ray-", dir="/tmp"))  # short: unix sockets
-    token = os.path.join(_ray_dirs[0], "auth_token")
-    if not os.path.exists(token):
-        with open(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-            f.write(secrets.token_hex(32))
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token}
+    """The environment a process needs to join the Ray this process started."""
+    here = _ray[1]
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": os.path.join(here.dir, "auth_token")}
 
 
-def ray_temp_dir() -> str:
-    ray_token_env()
-    return _ray_dirs[0]
-
-
-def remove_ray_dirs() -> None:
-    for path in _ray_dirs:
-        shutil.rmtree(path, ignore_errors=True)
-    _ray_dirs.clear()
-
-
-def init_local_ray(**options: Any) -> None:
-    """``ray.init`` of a new local instance (never a cluster found through
-    RAY_ADDRESS or /tmp/ray), with token authentication on: the environment
-    of :func:`ray_token_env` is set in this process (its workers inherit it)."""
-    os.environ.update(ray_token_env())
-    import ray
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    # Ray reads the mode and the token once per process: read them again
-    # (this process may have imported Ray before the environment was set).
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-    options.setdefault("include_dashboard", False)
-    options.setdefault("log_to_driver", False)
-    options.setdefault("configure_logging", False)
-    ray.init(address="local", _temp_dir=ray_temp_dir(), **options)
-
-
-class _Done:
+class Done:
     """A pending that is done already."""
 
     def __init__(self, frame: Frame) -> None:
@@ -101,8 +85,8 @@ class InProcess:
     def __init__(self, me: str = "client") -> None:
         self.me = me
 
-    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> _Done:
-        return _Done(endpoint.serve(frame, worker))
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Done:
+        return Done(endpoint.serve(frame, worker))
 
     def local_name(self) -> str:
         return self.me
@@ -155,3 +139,25 @@ class Counting:
         for worker, op in sent:
             by_worker.setdefault(worker, []).append(op)
         return by_worker
+
+
+@dataclass
+class Backend:
+    """One engine with the shared servers behind it (the conftest's
+    ``backend`` fixture: ``srv-a`` and ``srv-b`` on torch RPC or on Ray)."""
+
+    name: str
+    transport: Transport
+    servers: Tuple[Any, ...]
+
+    def run(self, worker: str, name: str, *args: Any, timeout: float = 20.0) -> Any:
+        """The test operation ``name`` (``remote_experts``) on ``worker``."""
+        return call_operation(worker, name, *args, timeout=timeout, transport=self.transport)
+
+    def ask(self, worker: str, message: Dict[str, Any]) -> Any:
+        """The reply pair of a raw request."""
+        return ask(worker, message, self.transport)
+
+    def expert(self, worker: str, name: str, **options: Any) -> RemoteExpert:
+        options.setdefault("transport", self.transport)
+        return RemoteExpert(worker, name, **options)

@@ -1,0 +1,222 @@
+"""Job secrets and sealed messages (moe_autograd/remote/auth.py): each rule of
+the gate's table refuses what it must, counts and logs it, and reads nothing
+of a refused request; replies are bound to their request and their server.
+No engine: frames are sealed and opened in this process."""
+import logging
+import os
+import stat
+import time
+from pathlib import Path
+from typing import Any, List, Tuple
+
+import pytest
+import torch
+
+from moe_autograd.remote import JobSecret, MissingSecretError, security_stats
+from moe_autograd.remote import auth, endpoint, wire
+from moe_autograd.remote.auth import Gate, Refused, ReplyRejected, Session
+from moe_autograd.remote.frame import REFUSAL, Frame, FrameError, parse
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def sealed(session: Session, worker: str = "srv", value: Any = None) -> Tuple[Frame, int]:
+    body, buffers = wire.encode(value if value is not None else {"op": "info",
+                                                                  "t": torch.arange(4.0)})
+    return session.seal(worker, body, buffers)
+
+
+@pytest.fixture
+def secret() -> JobSecret:
+    return JobSecret.generate()
+
+
+@pytest.fixture
+def gate(secret: JobSecret) -> Gate:
+    g = Gate(max_clock_skew=5.0)
+    g.admit([secret])
+    return g
+
+
+# -- the secret ----------------------------------------------------------------------------
+def test_a_secret_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    s = JobSecret.generate()
+    path = s.save(tmp_path / "job.secret")
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert JobSecret.from_file(path) == s and JobSecret.from_file(path).key_id == s.key_id
+    with pytest.raises(FileExistsError):
+        JobSecret.generate().save(path)
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        JobSecret.from_file(path)
+    assert s.hex() not in repr(s) and s.key_id.hex() in repr(s)
+
+
+def test_the_secret_comes_from_the_environment_or_a_clear_error(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(auth, "_default", None)
+    monkeypatch.delenv(auth.ENV_SECRET, raising=False)
+    monkeypatch.delenv(auth.ENV_SECRET_FILE, raising=False)
+    with pytest.raises(MissingSecretError, match="python -m moe_autograd secret"):
+        auth.job_secret()
+    s = JobSecret.generate()
+    monkeypatch.setenv(auth.ENV_SECRET, s.hex())
+    assert auth.job_secret() == s
+    path = JobSecret.generate().save(tmp_path / "f")
+    monkeypatch.setenv(auth.ENV_SECRET_FILE, str(path))  # the file wins
+    assert auth.job_secret() == JobSecret.from_file(path)
+    monkeypatch.setenv(auth.ENV_SECRET, "not hex")
+    monkeypatch.delenv(auth.ENV_SECRET_FILE)
+    with pytest.raises(ValueError, match="hex digits"):
+        auth.job_secret()
+    with pytest.raises(ValueError, match="at least 32 bytes"):
+        JobSecret(b"short")
+
+
+def test_the_mac_is_hmac_sha256() -> None:
+    import hashlib
+    import hmac
+
+    for n in (32, 64, 100):
+        key = bytes(range(n))
+        parts = [b"header", memoryview(b"body" * 100), b"", bytes(5000)]
+        assert JobSecret(key).mac(parts) == hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+# -- the gate's table ------------------------------------------------------------------------
+def test_an_authentic_request_opens_once(secret: JobSecret, gate: Gate) -> None:
+    session = Session(secret)
+    frame, seq = sealed(session)
+    caller, body, buffers, used = gate.open(frame, "srv")
+    assert used == secret and caller.session == session.id and caller.seq == seq == 1
+    assert caller.owner == session.owner
+    assert torch.equal(wire.decode(body, buffers)["t"], torch.arange(4.0))
+    with pytest.raises(Refused, match="replay"):
+        gate.open(frame, "srv")
+
+
+def _flip(frame: Frame, where: str) -> Frame:
+    header = parse(frame)
+    head = bytearray(frame.head)
+    buffers = [bytearray(bytes(b.numpy())) for b in frame.buffers]
+    if where == "header":
+        head[20] ^= 1  # a byte of the session
+    elif where == "body":
+        head[header.body_start + 3] ^= 1
+    elif where == "mac":
+        head[header.mac_start] ^= 1
+    else:
+        buffers[0][0] ^= 1
+    return Frame(bytes(head), buffers)
+
+
+@pytest.mark.parametrize("where", ["header", "body", "mac", "buffer"])
+def test_the_mac_covers_every_part(secret: JobSecret, gate: Gate, where: str) -> None:
+    frame, _ = sealed(Session(secret))
+    with pytest.raises(Refused, match="bad MAC"):
+        gate.open(_flip(frame, where), "srv")
+
+
+def test_refusals_of_the_table(secret: JobSecret, gate: Gate, monkeypatch: pytest.MonkeyPatch,
+                               caplog: pytest.LogCaptureFixture) -> None:
+    before = dict(security_stats()["refused"])
+    session = Session(secret)
+    frame, _ = sealed(session)
+    with pytest.raises(Refused, match="bad MAC"):
+        gate.open(frame, "another-server")  # sealed for "srv": refused everywhere else
+    with pytest.raises(Refused, match="unknown job"):
+        gate.open(sealed(Session(JobSecret.generate()))[0], "srv")
+    with pytest.raises(Refused, match="malformed"):
+        gate.open(Frame(b"\x80\x04not a frame", []), "srv")
+    with pytest.raises(Refused, match="malformed"):
+        gate.open(Frame(frame.head, []), "srv")  # its buffer missing
+    old, _ = sealed(session)
+    late = time.time() + 60  # sent a minute ago, seen now: past the 5 s skew
+    monkeypatch.setattr(auth.time, "time", lambda: late)
+    with pytest.raises(Refused, match="stale"):
+        gate.open(old, "srv")
+    monkeypatch.undo()
+    after = security_stats()["refused"]
+    for reason in ("bad MAC", "unknown job", "malformed", "stale"):
+        assert after.get(reason, 0) > before.get(reason, 0), reason
+    assert any("refused" in r.getMessage() and r.levelno == logging.WARNING
+               for r in caplog.records if r.name == "moe_autograd.remote.auth")
+
+
+def test_the_replay_window_takes_reordering_and_refuses_repeats(secret: JobSecret,
+                                                                gate: Gate) -> None:
+    session = Session(secret)
+    frames = [sealed(session)[0] for _ in range(auth.WINDOW + 10)]
+    for frame in reversed(frames[-50:]):  # arriving out of order: all taken
+        gate.open(frame, "srv")
+    with pytest.raises(Refused, match="replay"):
+        gate.open(frames[-1], "srv")
+    with pytest.raises(Refused, match="replay"):
+        gate.open(frames[0], "srv")  # behind the window: refused, never taken twice
+    gate.open(frames[-60], "srv")  # within the window, not seen: taken
+    other = Session(secret)  # another session has its own numbers
+    gate.open(sealed(other)[0], "srv")
+
+
+def test_a_logged_refusal_is_rate_limited(secret: JobSecret, gate: Gate,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="moe_autograd.remote.auth")
+    outsider = Session(JobSecret.generate())
+    for _ in range(50):
+        with pytest.raises(Refused):
+            gate.open(sealed(outsider, value={"op": "x"})[0], "srv-rate")
+    lines = [r for r in caplog.records if "unknown job" in r.getMessage()]
+    assert len(lines) <= 1  # at most one line per reason every LOG_EVERY_S
+
+
+# -- replies ---------------------------------------------------------------------------------
+def test_a_reply_opens_only_for_its_request_and_server(secret: JobSecret, gate: Gate) -> None:
+    session = Session(secret)
+    frame, seq = sealed(session)
+    caller, _, _, used = gate.open(frame, "srv")
+    body, buffers = wire.encode({"reply": ["ok", torch.ones(2)], "refused": 0})
+    reply = Gate.seal_reply(used, caller, "srv", body, buffers)
+    got_body, got_buffers = session.open_reply("srv", seq, reply)
+    assert torch.equal(wire.decode(got_body, got_buffers)["reply"][1], torch.ones(2))
+    with pytest.raises(ReplyRejected, match="answers no request"):
+        session.open_reply("srv", seq + 1, reply)  # an old reply for a new request
+    with pytest.raises(ReplyRejected, match="MAC does not verify"):
+        session.open_reply("impostor", seq, reply)  # from another server
+    forged = Gate.seal_reply(JobSecret.generate(), caller, "srv", body, buffers)
+    with pytest.raises(ReplyRejected):
+        session.open_reply("srv", seq, forged)
+    with pytest.raises(ReplyRejected, match="malformed"):
+        session.open_reply("srv", seq, Frame(b"\x80\x04pickle", []))
+    assert security_stats()["rejected_replies"].get("srv", 0) >= 2
+
+
+def test_a_refusal_carries_its_reason_only() -> None:
+    frame = auth.refusal_frame("replay")
+    header = parse(frame)
+    assert header.kind == REFUSAL and auth.REASONS[header.code] == "replay"
+    assert frame.buffers == [] and header.body_len == 0
+    with pytest.raises(Refused, match="replay"):
+        Session(JobSecret.generate()).open_reply("srv", 1, frame)
+
+
+def test_frames_with_lying_lengths_are_malformed() -> None:
+    s = Session(JobSecret.generate())
+    frame, _ = sealed(s)
+    with pytest.raises(FrameError, match="buffer 0 has"):
+        parse(Frame(frame.head, [b"\x00"]))
+    with pytest.raises(FrameError, match="head is"):
+        parse(Frame(frame.head + b"x", frame.buffers))
+    with pytest.raises(FrameError, match="magic"):
+        parse(Frame(b"X" * 100, []))
+
+
+# -- the endpoint reads nothing of a refused request -------------------------------------------
+def test_the_endpoint_refuses_before_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoded: List[Any] = []
+    real = wire.decode
+    monkeypatch.setattr(wire, "decode", lambda *a: decoded.append(a) or real(*a))
+    outsider = Session(JobSecret.generate())
+    frame, _ = sealed(outsider)
+    reply = endpoint.serve(frame, "srv")
+    assert parse(reply).kind == REFUSAL and decoded == []
+    assert parse(endpoint.serve(Frame(b"garbage", []), "srv")).kind == REFUSAL

@@ -1,0 +1,366 @@
+"""The red team: what an outsider (a process without the job's secret) and a
+member of the job try against expert servers and trainers, on both engines.
+
+Each attempt must be refused with a clear error (and counted, and logged
+where it was refused), must run no code (a payload that would create a file
+creates none), and must leave the server's and the trainer's state intact:
+after every attempt, a training step's outputs and gradients still equal the
+local ones bit for bit. The outsider reaches the servers through the engine
+itself (an RPC to the servers' one entry point, a call of the actor's one
+method), as a process that knows only the worker's name would."""
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+from torch import nn
+
+import remote_experts as rx
+from moe_autograd.remote import (ExpertServer, Fleet, JobSecret, RemoteAuthError, RemoteCall,
+                                 RemoteExpert, security_stats)
+from moe_autograd.remote import auth, endpoint, rpc_engine, wire
+from moe_autograd.remote.auth import Session
+from moe_autograd.remote.frame import REFUSAL, REPLY, Frame, parse
+from moe_autograd.remote.registry import NameTaken, Registry, ServerRecord
+from wiring import SECRET, Backend, Done, InProcess, ray_token_env
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class Evil:
+    """Unpickling this creates the file ``path``: the proof that code ran."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (open, (self.path, "w"))
+
+
+def evil(tmp_path: Path, name: str) -> bytes:
+    return pickle.dumps(Evil(str(tmp_path / name)), protocol=5)
+
+
+def raw(backend: Backend, worker: str, head: bytes, buffers: Optional[List[Any]] = None) -> Frame:
+    """What the engine's entry point of ``worker`` answers to ``(head,
+    buffers)``, sent as an outsider would (no secret involved)."""
+    buffers = buffers or []
+    if backend.name == "rpc":
+        from torch.distributed import rpc
+
+        reply_head, reply_buffers = rpc.rpc_sync(worker, rpc_engine._receive,
+                                                 args=(head, buffers), timeout=20.0)
+        return Frame(reply_head, reply_buffers)
+    import ray
+
+    from moe_autograd.remote.ray_engine import _split
+
+    handle = backend.transport.handle(worker)  # type: ignore[attr-defined]
+    blob = b"".join(bytes(b) for b in buffers)
+    reply_head, reply_blob = ray.get(handle.handle.remote(head, blob), timeout=20.0)
+    return Frame(reply_head, _split(reply_head, reply_blob))
+
+
+def refused_by(frame: Frame) -> str:
+    header = parse(frame)
+    assert header.kind == REFUSAL, header
+    return auth.REASONS[header.code]
+
+
+def server_refusals(backend: Backend, worker: str = "srv-a") -> Dict[str, int]:
+    return dict(backend.expert(worker, "lin").remote_stats()["auth_refused"])
+
+
+def sealed_request(session: Session, worker: str, message: Dict[str, Any]) -> Frame:
+    body, buffers = wire.encode(message)
+    return session.seal(worker, body, [bytes(b.numpy()) for b in buffers])[0]
+
+
+def assert_step_equals_local(backend: Backend) -> None:
+    """The state is intact: a stateless and a stateful step equal local ones."""
+    for name in ("lin", "sf_lin"):
+        expert = backend.expert("srv-a", name)
+        local = nn.Linear(rx.WIDTH, rx.WIDTH)
+        local.load_state_dict(expert.remote_state_dict())
+        expert.zero_grad()
+        x = torch.randn(3, rx.WIDTH, requires_grad=True)
+        lx = x.detach().clone().requires_grad_()
+        y, ly = expert(x), local(lx)
+        assert torch.equal(y, ly.detach()), name
+        y.square().sum().backward()
+        ly.square().sum().backward()
+        assert torch.equal(x.grad, lx.grad), name
+        remote = expert.remote_grads()
+        assert torch.equal(remote["weight"], local.weight.grad), name
+
+
+# -- an outsider ----------------------------------------------------------------------------
+def test_raw_pickle_payloads_run_nothing(backend: Backend, tmp_path: Path) -> None:
+    before = server_refusals(backend)
+    outsider = Session(JobSecret.generate())
+    attempts = {
+        "a pickle as the frame": (evil(tmp_path, "head"), []),
+        "a pickle as a buffer": (evil(tmp_path, "head2")[:8], [evil(tmp_path, "buffer")]),
+        "a pickle sealed with another secret": (
+            sealed_request(outsider, "srv-a", {"op": "info"}).head[:-4]
+            + evil(tmp_path, "sealed")[:4], []),
+    }
+    for what, (head, buffers) in attempts.items():
+        assert refused_by(raw(backend, "srv-a", head, buffers)) in ("malformed", "unknown job"), what
+    # a frame that is whole but sealed by an outsider: refused before its body is read
+    frame = sealed_request(outsider, "srv-a", {"op": "call", "name": "sleep", "args": [0.0]})
+    assert refused_by(raw(backend, "srv-a", frame.head, list(frame.buffers))) == "unknown job"
+    # a member's frame whose body is a pickle: no decoder runs code; an error reply
+    member = auth.session_for(SECRET)
+    head = member.seal("srv-a", evil(tmp_path, "member"), [])[0].head
+    reply = raw(backend, "srv-a", head)
+    assert parse(reply).kind == REPLY
+    assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # no file: no code ran
+    after = server_refusals(backend)
+    assert sum(after.values()) >= sum(before.values()) + 4, (before, after)
+    assert_step_equals_local(backend)
+
+
+def test_forged_stale_and_replayed_requests_are_refused(backend: Backend,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    member = Session(SECRET)  # a session of the job, its frames captured on the way
+    captured = sealed_request(member, "srv-a", {"op": "info"})
+    first = raw(backend, "srv-a", captured.head, list(captured.buffers))
+    assert parse(first).kind == REPLY
+    assert refused_by(raw(backend, "srv-a", captured.head, list(captured.buffers))) == "replay"
+    frame = sealed_request(member, "srv-a", {"op": "info"})
+    header = parse(frame)
+    forged = bytearray(frame.head)
+    forged[header.mac_start + 5] ^= 0x40
+    assert refused_by(raw(backend, "srv-a", bytes(forged))) == "bad MAC"
+    forged = bytearray(frame.head)
+    forged[header.body_start] ^= 1  # a changed body under the old MAC
+    assert refused_by(raw(backend, "srv-a", bytes(forged))) == "bad MAC"
+    assert refused_by(raw(backend, "srv-b", frame.head)) == "bad MAC"  # sealed for srv-a
+    now = time.time()
+    monkeypatch.setattr(auth.time, "time", lambda: now - 3600.0)  # sealed an hour ago
+    stale = sealed_request(member, "srv-a", {"op": "info"})
+    monkeypatch.undo()
+    assert refused_by(raw(backend, "srv-a", stale.head)) == "stale"
+    assert_step_equals_local(backend)
+
+
+def test_an_outsider_cannot_change_an_experts_weights(backend: Backend,
+                                                      caplog: pytest.LogCaptureFixture,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    caplog.set_level(logging.WARNING, logger="moe_autograd.remote.auth")
+    monkeypatch.setattr(auth, "_logged", {})  # earlier tests' lines do not hold this one back
+    member = backend.expert("srv-a", "opt_lin" if backend.name == "rpc" else "lin")
+    weights = member.remote_state_dict()
+    outsider = backend.expert("srv-a", member.name, secret=JobSecret.generate())
+    zeros = {k: torch.zeros_like(v) for k, v in weights.items()}
+    attempts = [lambda: outsider.load_remote_state_dict(zeros), outsider.zero_grad,
+                outsider.step, outsider.remote_state_dict,
+                lambda: outsider(torch.randn(2, rx.WIDTH, requires_grad=True))]
+    for attempt in attempts:
+        with pytest.raises(RemoteAuthError, match="refused the request .unknown job"):
+            attempt()
+    after = member.remote_state_dict()
+    assert all(torch.equal(weights[k], after[k]) for k in weights)
+    # the trainer sees it: the server reports its refusals in its next reply
+    assert security_stats()["peer_refusals"].get("srv-a", 0) >= len(attempts)
+    assert any("srv-a" in r.getMessage() and "refused" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+    assert_step_equals_local(backend)
+
+
+def test_a_member_cannot_use_another_sessions_state(backend: Backend) -> None:
+    expert = backend.expert("srv-a", "sf_lin")
+    x = torch.randn(2, rx.WIDTH, requires_grad=True)
+    args = expert.function_args(x)
+    out = RemoteCall.apply(*args)[0]
+    call_id = args[0].call_id
+    intruder = Session(SECRET)  # another session of the job (same secret, other process)
+    grad = torch.ones_like(out)
+    for message, match in [
+            ({"op": "backward", "expert": "sf_lin", "call": call_id, "seed": 0, "flags": [True],
+              "args": None, "grads": [grad]}, "belongs to"),
+            ({"op": "collect", "batch": "b" * 32}, "unknown batch")]:
+        frame = sealed_request(intruder, "srv-a", message)
+        reply = raw(backend, "srv-a", frame.head, list(frame.buffers))
+        body, buffers = intruder.open_reply("srv-a", parse(frame).seq, reply)
+        status, text = wire.decode(body, buffers)["reply"]
+        assert status == "error" and match in text, text
+    frame = sealed_request(intruder, "srv-a", {"op": "release", "calls": [call_id]})
+    body, buffers = intruder.open_reply("srv-a", parse(frame).seq,
+                                        raw(backend, "srv-a", frame.head))
+    assert wire.decode(body, buffers)["reply"] == ["ok", 0]  # nothing of another's freed
+    out.backward(grad)  # the owner's backward still finds its state
+    assert x.grad is not None
+    assert_step_equals_local(backend)
+
+
+def test_requests_that_expand_are_refused_before_they_run(backend: Backend) -> None:
+    """One small stride-0 tensor shared by four calls of one request: each
+    call materialises it in full, so each counts it (max_request_bytes of
+    small_lin: 1 MiB; 400 kB each, so two fit and two are refused)."""
+    shared = torch.zeros(1, rx.WIDTH).expand(12_500, rx.WIDTH)  # 32 bytes on the wire
+    jobs = [{"op": "forward", "expert": "small_lin", "call": f"{k:032x}", "seed": k, "grad": False,
+             "flags": [False], "args": [shared], "answer_by": None} for k in range(4)]
+    status, (answers, more) = backend.ask("srv-b", {"op": "batch", "batch": "e" * 32,
+                                                    "jobs": jobs})
+    while status == "ok" and more:  # the refused ones are answered at once, the rest later
+        status, (late, more) = backend.ask("srv-b", {"op": "collect", "batch": "e" * 32})
+        answers = [a if a is not None else b for a, b in zip(answers, late)]
+    assert status == "ok"
+    assert [a[0] for a in answers] == ["ok", "ok", "error", "error"], answers
+    assert all("max_request_bytes" in a[1] and "for each" in a[1] for a in answers[2:])
+    assert_step_equals_local(backend)
+
+
+# -- a hostile server ------------------------------------------------------------------------
+class Hostile:
+    """A transport whose 'server' answers what ``answer(frame)`` makes."""
+
+    name = "hostile"
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
+        return Done(self.answer(frame))
+
+    def local_name(self) -> str:
+        return "trainer"
+
+
+def test_a_hostile_server_runs_no_code_in_the_trainer(tmp_path: Path) -> None:
+    server = ExpertServer({"hostile_lin": nn.Linear(rx.WIDTH, rx.WIDTH)})
+    try:
+        honest = InProcess()
+        old: List[Frame] = []
+
+        def replayed(frame: Frame) -> Frame:
+            reply = endpoint.serve(frame, "srv-h")
+            old.append(reply)
+            return old[0]  # the first reply, again and again
+        other = JobSecret.generate()
+
+        def other_secret(frame: Frame) -> Frame:
+            caller, _, _, _ = endpoint.gate().open(frame, "srv-h")
+            body, buffers = wire.encode({"reply": ["ok", 1], "refused": 0})
+            return auth.Gate.seal_reply(other, caller, "srv-h", body, buffers)
+
+        def pickled_body(frame: Frame) -> Frame:
+            caller, _, _, secret = endpoint.gate().open(frame, "srv-h")
+            return auth.Gate.seal_reply(secret, caller, "srv-h", evil(tmp_path, "body"), [])
+        answers = {"a pickle as the reply": lambda frame: Frame(evil(tmp_path, "reply"), []),
+                   "a reply sealed with another secret": other_secret,
+                   "a member's reply whose body is a pickle": pickled_body}
+        x = torch.randn(2, rx.WIDTH)
+        assert RemoteExpert("srv-h", "hostile_lin", transport=Hostile(replayed))(x).shape == x.shape
+        with pytest.raises(RemoteAuthError, match="answers no request"):
+            RemoteExpert("srv-h", "hostile_lin", transport=Hostile(replayed))(x)
+        for what, answer in answers.items():
+            with pytest.raises(RemoteAuthError) as info:
+                RemoteExpert("srv-h", "hostile_lin", transport=Hostile(answer))(x)
+            assert "srv-h" in str(info.value), what
+        assert not any(tmp_path.iterdir()), list(tmp_path.iterdir())  # no code ran here
+        assert security_stats()["rejected_replies"].get("srv-h", 0) >= 3
+        assert RemoteExpert("srv-h", "hostile_lin", transport=honest)(x).shape == x.shape
+    finally:
+        server.close()
+
+
+# -- the fleet's registry: publications, names, admission -----------------------------------
+@pytest.fixture
+def store() -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    from moe_autograd.remote.loopback import free_port
+    return dist.TCPStore("127.0.0.1", free_port(), None, True, datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
+def test_an_outsider_cannot_publish_or_take_a_name(store: Any) -> None:
+    job, outsider = Registry(store, SECRET), Registry(store, JobSecret.generate())
+    before = sum(security_stats()["refused"].values())
+    outsider.publish(ServerRecord("impostor", 9, {"e": "stateless"}))
+    assert job.roster() == {} and job.record("impostor") is None
+    job.publish(ServerRecord("srv_x", 3, {"e": "stateless"}))
+    assert job.roster() == {"srv_x": 3}
+    with pytest.raises(NameTaken, match="srv_x"):  # a member cannot take a live name either
+        job.publish(ServerRecord("srv_x", 4, {"e": "stateless"}), live=lambda n, r: True)
+    outsider.request_stop()
+    outsider.evict("srv_x", 3)
+    assert not job.stop_requested() and not job.evicted("srv_x", 3)
+    assert sum(security_stats()["refused"].values()) > before
+
+
+def test_a_fleet_admits_only_servers_that_prove_the_secret(store: Any) -> None:
+    """A signed record is not enough: the worker named in it must answer the
+    fleet's sealed challenge with a sealed reply for the published rank."""
+    from moe_autograd.remote.server import host_info, set_host_info
+
+    job = Registry(store, SECRET)
+    server = ExpertServer({"adm_e": nn.Linear(2, 2)})
+    saved = host_info()
+    set_host_info(rank=3)
+
+    class Answering:
+        """srv_good is served here; srv_liar is an impostor without the key."""
+
+        name = "answering"
+
+        def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
+            if worker == "srv_good":
+                return InProcess().call(worker, frame, timeout)
+            return Done(auth.refusal_frame("unknown job"))
+
+        def local_name(self) -> str:
+            return "trainer"
+    fleet = Fleet(store, "trainer", 0, founder=False, transport=Answering(), reap=False,
+                  secret=SECRET)
+    try:
+        for name, rank in (("srv_good", 3), ("srv_liar", 5)):  # signed, by members
+            job.beat(name, rank)  # a server beats before it publishes
+            job.publish(ServerRecord(name, rank, {"adm_e": "stateless"}))
+        deadline = time.monotonic() + 10
+        while not fleet.replicas("adm_e") and time.monotonic() < deadline:
+            for name, rank in (("srv_good", 3), ("srv_liar", 5)):
+                job.beat(name, rank)
+            fleet.refresh()
+            time.sleep(0.05)
+        fleet.refresh()
+        assert fleet.replicas("adm_e") == ["srv_good"]
+        kinds = {(e.kind, e.worker) for e in fleet.events}
+        assert ("joined", "srv_good") in kinds and ("refused", "srv_liar") in kinds, kinds
+        assert ("joined", "srv_liar") not in kinds
+    finally:
+        fleet.shutdown(timeout=1.0, stop_servers=False)
+        set_host_info(**saved)
+        server.close()
+
+
+# -- Ray's own layer: a stranger without the cluster's token ---------------------------------
+def test_a_stranger_without_the_clusters_token_is_refused_at_connect(ray_world: Dict[str, Any],
+                                                                     tmp_path: Path) -> None:
+    import ray
+
+    address = ray.get_runtime_context().gcs_address
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MOE_AUTOGRAD"))}
+    env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled",
+               RAY_gcs_server_port_wait_time_s="2")  # Ray's connect retries: 2, not 20
+    code = ("import ray, sys\n"
+            "try:\n"
+            f"    ray.init(address={address!r}, log_to_driver=False, configure_logging=False)\n"
+            "except Exception as error:\n"
+            "    print('REFUSED', type(error).__name__); sys.exit(0)\n"
+            "print('CONNECTED')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert "REFUSED" in done.stdout, (done.stdout, done.stderr[-500:])
+    assert ray_token_env()["RAY_AUTH_MODE"] == "token"
