@@ -112,7 +112,7 @@ def build_head(kind: int, key_id: bytes, session: bytes, seq: int, sent_ms: int,
     """The header up to (not including) the MAC."""
     fixed = _FIXED.pack(MAGIC, VERSION, kind, code, 0, key_id, session, seq, sent_ms, body_len,
                         len(lengths))
-    return fixed + b"".join(_LENGTH.pack(n) for n in lengths)
+    return fixed + struct.pack(f"<{len(lengths)}Q", *lengths) if lengths else fixed
 
 
 def refusal(code: int) -> Frame:
@@ -129,7 +129,7 @@ def buffer_lengths(head: Any) -> List[int]:
     n = _FIXED.unpack_from(head)[-1]
     if n > MAX_BUFFERS or len(head) < _FIXED.size + _LENGTH.size * n:
         raise FrameError("a frame's head too short for its buffer count")
-    return [_LENGTH.unpack_from(head, _FIXED.size + _LENGTH.size * k)[0] for k in range(n)]
+    return list(struct.unpack_from(f"<{n}Q", head, _FIXED.size))
 
 
 def parse(frame: Frame) -> Header:
@@ -159,7 +159,7 @@ def parse(frame: Frame) -> Header:
     if not isinstance(buffers, (list, tuple)) or len(buffers) != n:
         raise FrameError(f"the header announces {n} buffers, "
                          f"{len(buffers) if isinstance(buffers, (list, tuple)) else '?'} arrived")
-    lengths = [_LENGTH.unpack_from(head, _FIXED.size + _LENGTH.size * k)[0] for k in range(n)]
+    lengths = list(struct.unpack_from(f"<{n}Q", head, _FIXED.size))
     views = []
     for k, (length, buffer) in enumerate(zip(lengths, buffers)):
         try:

@@ -234,7 +234,8 @@ class ExpertServer:
     def _exit(self) -> None:
         with self._idle:
             self._busy -= 1
-            self._idle.notify_all()
+            if self._closed.is_set():  # only close() waits for the requests in flight
+                self._idle.notify_all()
 
     def stats(self) -> Dict[str, Any]:
         """Live states and counters (``live`` is 0 for a stateless server);

@@ -306,6 +306,7 @@ def fault_client(port: int, server_pid: int, queue: Any) -> None:
         report["sf_stats"] = (stats["live"], stats["stored"] - stored)
         attempt("after_interrupts", lambda: RemoteExpert("fault-srv", "lin")(x).sum().backward())
         os.kill(server_pid, signal.SIGSTOP)
+        _wait_stopped(server_pid)
         try:
             attempt("stopped_none", lambda: RemoteExpert("fault-srv", "lin")(x))
             attempt("stopped_inf", lambda: RemoteExpert("fault-srv", "lin",
@@ -316,6 +317,18 @@ def fault_client(port: int, server_pid: int, queue: Any) -> None:
     finally:
         queue.put(report)
         rpc.shutdown(graceful=True)
+
+
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Waits until ``pid`` is stopped (state T): SIGSTOP takes effect only
+    when the process leaves an uninterruptible wait, which a loaded machine
+    can make last (once, a call made right after the kill was answered)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rpartition(")")[2].split()[0] in ("T", "t"):
+                return
+        time.sleep(0.005)
 
 
 def cli_experts() -> Dict[str, nn.Module]:

@@ -353,7 +353,8 @@ def test_a_stranger_without_the_clusters_token_is_refused_at_connect(ray_world: 
     address = ray.get_runtime_context().gcs_address
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MOE_AUTOGRAD"))}
     env.update(HOME=str(tmp_path), RAY_AUTH_MODE="disabled",
-               RAY_gcs_server_port_wait_time_s="2")  # Ray's connect retries: 2, not 20
+               RAY_gcs_server_port_wait_time_s="2",  # Ray's connect retries: 2, not 20
+               RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")  # as the cluster: loopback addresses
     code = ("import ray, sys\n"
             "try:\n"
             f"    ray.init(address={address!r}, log_to_driver=False, configure_logging=False)\n"
