@@ -201,11 +201,29 @@ def cores() -> int:
 # The second field of /proc/thread-self/schedstat is the thread's run_delay:
 # nanoseconds spent runnable on a run queue, waiting for a CPU. The kernel
 # adds each wait when the thread gets a CPU, so read by the running thread
-# itself it is exact. One descriptor per thread (kept in a thread-local,
-# closed with it), re-read with pread: ~3 us a read.
+# itself it is exact. One descriptor per thread (kept in a thread-local and
+# closed when the thread's locals go, or when a forked child replaces it),
+# re-read with pread: ~3 us a read.
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 _sched = threading.local()
 _fork_generation = 0
+
+
+class _Descriptor:
+    """A raw descriptor that is closed with its holder: a thread's locals are
+    dropped when it ends, and a file object dropped unclosed would warn
+    (``ResourceWarning``) once per thread."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, path: str) -> None:
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def __del__(self) -> None:
+        try:
+            os.close(self.fd)
+        except OSError:
+            pass
 
 
 def _schedstat_works() -> bool:
@@ -235,9 +253,10 @@ def _queued_s() -> Optional[float]:
     kernel does not say."""
     try:
         if getattr(_sched, "generation", -1) != _fork_generation:
-            _sched.file = open(_SCHEDSTAT, "rb", buffering=0)  # noqa: SIM115 - kept open
+            _sched.file = None  # closes a forked parent's descriptor first
+            _sched.file = _Descriptor(_SCHEDSTAT)
             _sched.generation = _fork_generation
-        return int(os.pread(_sched.file.fileno(), 64, 0).split()[1]) * 1e-9
+        return int(os.pread(_sched.file.fd, 64, 0).split()[1]) * 1e-9
     except (OSError, ValueError, IndexError):
         return None
 

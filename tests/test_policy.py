@@ -524,3 +524,29 @@ def test_a_new_site_of_torch_nn_modules_on_the_cpu_starts_within_the_cores(
     assert stats["reason"].startswith(policy.COMPUTES) and stats["mode"] in ("inline", "lanes")
     parallel_apply([_Custom() for _ in range(4)], xs)
     assert _site_stats("_Custom")["reason"] == policy.NEW_SITE
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not policy._SCHED_OK, reason="the kernel keeps no run-queue statistics")
+def test_run_queue_descriptors_close_with_their_threads() -> None:
+    """Each thread reads its run queue through a descriptor of its own: it is
+    closed when the thread ends (no ResourceWarning, no descriptor left)."""
+    import gc
+    import os
+    import threading
+    import warnings
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()
+    before = fds()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        for _ in range(8):
+            thread = threading.Thread(target=policy._queued_s)
+            thread.start()
+            thread.join()
+        gc.collect()
+    assert [w for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert fds() <= before
