@@ -16,6 +16,12 @@ keeps training when experts are slow, failing or return garbage:
   through the weights. A token left with fewer than ``backward_k_min``
   surviving backwards raises.
 
+Nothing is absorbed silently: every masked call and every backward treated
+as a constant is counted in ``stats()``, which keeps each expert's last error
+text, and logged as a WARNING naming the expert, the call and the error
+(:mod:`.stats`: logger ``moe_autograd.moe.stats``, at most one line per
+expert every 10 s).
+
 Fitting real models (all optional; the defaults keep the original layer):
 ``gate_bias=False`` (Mixtral's router has no bias), ``router_dtype`` (routing
 in e.g. float32 whatever the input dtype), ``aux_loss="mixtral"``
@@ -43,6 +49,7 @@ Data flow is one way: this module uses the runtime
 runtime knows about gates or tokens.
 """
 import time
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -59,7 +66,7 @@ from .gating import (Routing, combine_weights, load_balancing_loss, mixtral_load
 from .grouped import check_experts, grouped_experts, grouped_mm_available, stack_experts
 from .hf_blocks import read_block, rename_keys
 from .quorum import check_timeout, gather
-from .stats import StatsBook
+from .stats import StatsBook, error_text
 
 __all__ = ["MixtureOfExperts", "NotEnoughExperts"]
 
@@ -239,7 +246,9 @@ class MixtureOfExperts(nn.Module):
 
     def stats(self) -> List[Dict[str, object]]:
         """Per-expert counts of calls, failures, timeouts, non-finite outputs,
-        backward failures/timeouts, and latency percentiles (ms)."""
+        backward failures/timeouts, latency percentiles (ms), and
+        ``last_error``: the text of the expert's latest masked call or
+        constant backward (None if it never failed)."""
         return self.expert_stats.snapshot()
 
     def _validate(self, call: ModuleCall, tokens: int) -> None:
@@ -474,6 +483,28 @@ class MixtureOfExperts(nn.Module):
             book.record(e, calls=1, timeouts=int(late),
                         non_finite=int(isinstance(error, FloatingPointError)),
                         failures=int(not ok[i] and not late))
+            if not ok[i]:
+                book.report(e, self._expert_name(e), False, self._why_masked(error))
+
+    def _expert_name(self, e: int) -> str:
+        """``expert <e> (<class>(<extra_repr>))``, as the logs name it."""
+        module = self.experts[e]
+        extra = module.extra_repr()
+        shown = f"({extra})" if extra and len(extra) <= 120 else ""
+        return f"expert {e} ({type(module).__name__}{shown})"
+
+    def _why_masked(self, error: Optional[BaseException]) -> str:
+        """The error text of a masked forward call (``error``: the call's,
+        None if it had not answered when the layer stopped waiting)."""
+        limits = ", ".join(f"{name}={value:g} s" for name, value in
+                           (("forward_timeout", self.forward_timeout),
+                            ("timeout_after_k_min", self.timeout_after_k_min))
+                           if value is not None)
+        if error is None:
+            return f"no answer when the layer stopped waiting ({limits})"
+        if isinstance(error, CallCancelled):
+            return f"not started when the layer stopped waiting ({limits})"
+        return error_text(error)
 
     def _backward_check(self, survivors: List[int], tokens: List[Tensor],
                         answered: Tensor) -> Any:
@@ -484,6 +515,11 @@ class MixtureOfExperts(nn.Module):
         after its backward."""
         book, backward_k_min = self.expert_stats, self.backward_k_min
         needed = answered.sum(dim=-1).clamp(max=backward_k_min)
+        layer = weakref.ref(self)  # named only on a failure; never keeps the layer alive
+
+        def name(e: int) -> str:
+            alive = layer()
+            return f"expert {e}" if alive is None else alive._expert_name(e)
 
         def check(outcomes: List[Optional[BaseException]]) -> None:
             survived = torch.zeros_like(needed)
@@ -496,6 +532,7 @@ class MixtureOfExperts(nn.Module):
                     survived[tokens[e]] += 1
                 else:
                     failed.append((e, error))
+                    book.report(e, name(e), True, error_text(error))
             short = survived < needed
             if bool(short.any()):
                 raise NotEnoughExperts(
