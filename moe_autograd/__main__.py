@@ -7,8 +7,11 @@ variant, :mod:`.demo_elastic_ray`, given ``--engine ray``), so that no demo
 module imports another.
 """
 import argparse
+import logging
 import sys
 from typing import Callable, Optional, Sequence
+
+from .logs import configure_cli
 
 COMMANDS = {
     "demo": "a short tour of the runtime",
@@ -40,6 +43,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for name, help in COMMANDS.items():
         commands.add_parser(name, help=help, add_help=False)
     command = parser.parse_args(args[:1]).command  # the rest belongs to the command
+    # The library installs no log handler; the command line shows its
+    # loggers on stderr: what a server does (INFO) for serve and secret,
+    # warnings (masked experts, refused requests, ...) for demo and bench,
+    # whose own story goes to stdout.
+    configure_cli(f"moe_autograd {command}",
+                  logging.INFO if command in ("serve", "secret") else logging.WARNING)
     try:
         entry = _entry(command, args[1:])
     except ModuleNotFoundError as error:

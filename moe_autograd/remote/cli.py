@@ -34,17 +34,26 @@ The job's secret comes from ``--secret-file`` or ``MOE_AUTOGRAD_SECRET_FILE``
 (or ``MOE_AUTOGRAD_SECRET``, hex), never from the command line itself;
 ``python -m moe_autograd secret --out job.secret`` makes one (mode 600).
 
+What it says: its start, stop and errors, and every ``--report-every``
+seconds (60 by default) the calls it served since the last report, while it
+serves any; as log lines on stderr (``[moe_autograd serve] TIME LEVEL
+message``, :func:`moe_autograd.logs.configure_cli`), with the library's own
+warnings (refused requests, ...) among them.
+
 Invariant: the process exits with status 0 after a signal or the world's end,
 and 2 on bad arguments (argparse, or no usable secret, or a Ray without token
 authentication); with ``--join``, 75 if it could not join (start it again)
 and 3 if it was evicted (reaped while stopped).
 """
 import argparse
+import logging
 import os
 import signal
 import sys
 import threading
-from typing import List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+from ..logs import configure_cli
 
 from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
 from .factory import load_object
@@ -109,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-host 'shm' transport busy-polls, so prefer 'uv' when server "
                         "processes outnumber cores)")
     p.add_argument("--drain-timeout", type=float, default=10.0)
+    p.add_argument("--report-every", type=float, default=60.0, metavar="SECONDS",
+                   help="log the calls served every SECONDS while any are (default: 60; "
+                        "0: never)")
     p.add_argument("--engine", choices=("rpc", "ray"), default="rpc",
                    help="torch RPC (default) or Ray: the experts become a named Ray actor")
     p.add_argument("--address", metavar="HOST:PORT",
@@ -144,8 +156,49 @@ def _secret(args: argparse.Namespace) -> JobSecret:
     return secret
 
 
+_logger = logging.getLogger(__name__)
+
+
 def _log(message: str) -> None:
-    print(f"[moe_autograd serve] {message}", file=sys.stderr, flush=True)
+    _logger.info("%s", message)
+
+
+def _fail(message: str) -> None:
+    _logger.error("%s", message)
+
+
+def _report_served(read: Callable[[], Dict[str, int]], every: float) -> Callable[[], None]:
+    """Starts a thread that logs, every ``every`` seconds, the calls served
+    since its last line (``read()``: counts so far), unless there were none;
+    returns the function that stops it (and joins it)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        last: Dict[str, int] = {}
+        while not stop.wait(every):
+            try:
+                now = read()
+            except Exception:  # noqa: BLE001 - a busy or closing server: next time
+                continue
+            if now == last:
+                continue
+            new = {key: now.get(key, 0) - last.get(key, 0) for key in ("forward", "backward",
+                                                                         "failed")}
+            _logger.info("served %d forward and %d backward calls in the last %g s (%d "
+                         "failed); %d, %d and %d in all", new["forward"], new["backward"],
+                         every, new["failed"], now.get("forward", 0), now.get("backward", 0),
+                         now.get("failed", 0))
+            last = now
+
+    thread = threading.Thread(target=run, daemon=True, name="moe_autograd-serve-report")
+    if every > 0:
+        thread.start()
+
+    def halt() -> None:
+        stop.set()
+        if thread.is_alive():
+            thread.join(timeout=5.0)
+    return halt
 
 
 def _leave_with_world(done: threading.Event) -> None:
@@ -167,6 +220,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args_list[:1] == ["serve"]:
         args_list = args_list[1:]
     args = build_parser().parse_args(args_list)
+    configure_cli("moe_autograd serve")
     if args.engine == "ray":
         if args.join or args.world_size:
             build_parser().error("--engine ray takes no --join or --world-size: Ray's own "
@@ -177,7 +231,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     secret = _secret(args)
     from torch.distributed import rpc
 
-    from .rpc_bind import start_rpc
     from .server import ExpertServer
 
     experts = load_object(args.experts)()
@@ -197,18 +250,36 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           max_request_bytes=args.max_request_bytes,
                           non_finite_grads=args.non_finite_grads, secret=secret,
                           )  # before init_rpc: no request finds it missing
+    halt_report = _report_served(server.served, args.report_every)
     if args.join:
         from .elastic import default_name, serve_joined
 
-        return serve_joined(server, args.name or default_name(), options,
-                            drain_timeout=args.drain_timeout, log=_log)
+        try:
+            return serve_joined(server, args.name or default_name(), options,
+                                drain_timeout=args.drain_timeout, log=_log)
+        finally:
+            halt_report()
+    try:
+        return _serve_static(args, server, name, options, sorted(experts))
+    finally:
+        halt_report()
+
+
+def _serve_static(args: argparse.Namespace, server: Any, name: str, options: Any,
+                  experts: List[str]) -> int:
+    """A static world's server (``--rank``, ``--world-size``), until a
+    signal or the world's end."""
+    from torch.distributed import rpc
+
+    from .rpc_bind import start_rpc
+
     start_rpc(name, args.rank, args.world_size, options)
     stop, world_done = threading.Event(), threading.Event()
     if threading.current_thread() is threading.main_thread():  # (a signal during init_rpc kills)
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     _log(f"worker {name!r} (rank {args.rank}, world size {args.world_size or 'dynamic'}) "
-         f"serves {sorted(experts)} ({args.backward} backward)")
+         f"serves {experts} ({args.backward} backward)")
     if args.world_size:
         threading.Thread(target=_leave_with_world, args=(world_done,), daemon=True,
                          name="moe_autograd-serve-world").start()
@@ -255,19 +326,19 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     except Exception as error:  # noqa: BLE001 - no cluster, or its token refused us
         from .ray_engine import TOKEN_HELP
 
-        _log(f"cannot connect to the Ray cluster at {address!r}: {type(error).__name__}: "
-             f"{str(error).strip().splitlines()[0][:300]}")
+        _fail(f"cannot connect to the Ray cluster at {address!r}: {type(error).__name__}: "
+              f"{str(error).strip().splitlines()[0][:300]}")
         if "auth" in f"{type(error).__name__} {error}".lower():
-            _log("the cluster requires its token: set RAY_AUTH_MODE=token and "
-                 "RAY_AUTH_TOKEN_PATH=<the cluster's token file> (mode 600) in this "
-                 "process's environment")
+            _fail("the cluster requires its token: set RAY_AUTH_MODE=token and "
+                  "RAY_AUTH_TOKEN_PATH=<the cluster's token file> (mode 600) in this "
+                  "process's environment")
         else:
-            _log(TOKEN_HELP)
+            _fail(TOKEN_HELP)
         return 75
     try:
         require_token_auth(args.insecure, "serve --engine ray")
     except RayAuthError as error:
-        _log(str(error))
+        _fail(str(error))
         ray.shutdown()
         return 2
     stop = threading.Event()
@@ -288,13 +359,15 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             max_state_bytes=args.max_state_bytes, max_request_bytes=args.max_request_bytes,
             non_finite_grads=args.non_finite_grads)
     except BaseException as error:
-        _log(f"could not start the Ray expert server {name!r}: {error}")
+        _fail(f"could not start the Ray expert server {name!r}: {error}")
         ray.shutdown()
         return 75
     _log(f"Ray actor {name!r} (namespace {args.namespace!r}, node {server.node_id[:12]}, "
          f"pid {server.pid}) serves {sorted(server.experts)} ({args.backward} backward)")
+    halt_report = _report_served(server.served, args.report_every)
     while not stop.wait(0.2):
         pass
+    halt_report()
     _log("signal received, draining")
     left = server.leave(drain_timeout=args.drain_timeout, linger=min(1.0, args.drain_timeout))
     _log(f"left (undrained: {left})")

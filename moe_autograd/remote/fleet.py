@@ -23,7 +23,8 @@ sealed reply naming the rank and experts it published (:mod:`.channel`).
 Until then it is never called; a worker that answers the challenge without
 the secret is recorded as a ``refused`` event and never admitted.
 
-Lifecycle of a server as a fleet sees it (``events``: what is recorded)::
+Lifecycle of a server as a fleet sees it (``events``: what is recorded, and logged:
+``lost`` and ``refused`` as WARNING, the others INFO)::
 
     state      entered when                               chosen for new calls?
     ---------  -----------------------------------------  ---------------------------------
@@ -53,6 +54,7 @@ process without it is published, resolved or called by this fleet, and that
 every message to an admitted server is authenticated. No NAT traversal:
 every member must reach the store and every other member directly.
 """
+import logging
 import threading
 import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
@@ -62,12 +64,13 @@ from .auth import JobSecret, resolve_secret
 from .channel import request
 from .errors import RemoteAuthError
 from .registry import BeatWatch, Registry, ServerRecord, observe_alive
-from .replicas import FleetEvent, FleetExpert
+from .replicas import FleetEvent, FleetExpert, log_event
 from .transport import Transport, get_transport
 
 __all__ = ["Fleet", "CHALLENGE_EVERY_S"]
 
 CHALLENGE_EVERY_S = 0.2  # a published server that did not answer yet is asked again after this
+_log = logging.getLogger(__name__)
 
 
 def _options_address(options: Any) -> Tuple[str, int]:
@@ -271,8 +274,14 @@ class Fleet:
                 return
             self._lost.add((worker, rank))
             record = self._records.get(worker)
-            self.events.append(FleetEvent("lost", worker, tuple(record.experts) if record else (),
-                                          time.monotonic(), why))
+            self._emit(FleetEvent("lost", worker, tuple(record.experts) if record else (),
+                                  time.monotonic(), why))
+
+    def _emit(self, event: FleetEvent) -> None:
+        """Records ``event`` in ``events`` and logs it (``lost`` and
+        ``refused`` as WARNING, the others INFO, on ``moe_autograd.remote.fleet``)."""
+        self.events.append(event)
+        log_event(_log, f"fleet {self.name!r}", event)
 
     # -- the watch thread -----------------------------------------------------
     def _watch(self) -> None:
@@ -336,8 +345,8 @@ class Fleet:
         except RemoteAuthError as error:
             with self._lock:
                 self._refused.add(key)
-                self.events.append(FleetEvent("refused", name, tuple(record.experts),
-                                              time.monotonic(), str(error)))
+                self._emit(FleetEvent("refused", name, tuple(record.experts),
+                                      time.monotonic(), str(error)))
             return False
         except Exception:  # noqa: BLE001 - not reachable yet: asked again later
             return False
@@ -359,13 +368,13 @@ class Fleet:
                     record = self.registry.record(name)
                     state = record.state if record is not None and record.rank == rank else "?"
                     kind = "reaped" if state == "reaped" else "left"
-                    self.events.append(FleetEvent(kind, name, tuple(old_records[name].experts),
-                                                  now, state))
+                    self._emit(FleetEvent(kind, name, tuple(old_records[name].experts),
+                                          now, state))
                     self._beats.forget(name)
             for name, rank in roster.items():
                 if old.get(name) != rank:
-                    self.events.append(FleetEvent("joined", name, tuple(records[name].experts),
-                                                  now, f"rank {rank}"))
+                    self._emit(FleetEvent("joined", name, tuple(records[name].experts),
+                                          now, f"rank {rank}"))
                     self._suspects.pop(name, None)
                     self._beats.forget(name)
                     self._beats.update({name: -1}, now)  # alive from now: it just published

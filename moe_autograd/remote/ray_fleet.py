@@ -15,7 +15,8 @@ another replica, backward to the replica that ran the forward, a name with
 no replica masked at once), so a ``MixtureOfExperts`` of fleet experts runs on
 either engine.
 
-Lifecycle of a server as a RayFleet sees it (``events``: what is recorded)::
+Lifecycle of a server as a RayFleet sees it (``events``: what is recorded, and logged:
+``lost`` and ``refused`` as WARNING, the others INFO)::
 
     state     entered when                               chosen for new calls?
     --------  -----------------------------------------  ----------------------------------
@@ -65,6 +66,7 @@ Invariants:
   replacement started under a dead server's name counts as new.
 """
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -74,12 +76,13 @@ from .auth import JobSecret, resolve_secret
 from .channel import Opened, request
 from .errors import RemoteAuthError
 from .ray_engine import NAMESPACE, RayTransport, _ray, short
-from .replicas import FleetEvent, FleetExpert
+from .replicas import FleetEvent, FleetExpert, log_event
 from .transport import Transport, check_timeout
 
 __all__ = ["RayFleet", "POLL_WAIT_S"]
 
 POLL_WAIT_S = 0.05  # how long a poll waits for the answers to the info() it sent
+_log = logging.getLogger(__name__)
 _fleets: "weakref.WeakSet[RayFleet]" = weakref.WeakSet()
 _hooked: List[bool] = []
 
@@ -258,7 +261,7 @@ class RayFleet:
                                       now - self._pending[name][1] < self.info_timeout):
                     records[name] = old[name]  # not asked this time, or the answer is on its way
             for name, why in refused.items():
-                self.events.append(FleetEvent("refused", name, (), now, why))
+                self._emit(FleetEvent("refused", name, (), now, why))
             for name, (first, experts, state) in old.items():
                 new = records.get(name)
                 if new is None:
@@ -268,16 +271,23 @@ class RayFleet:
                               "its answer failed authentication" if name in refused else
                               f"no answer for {self.info_timeout:g} s")
                     if gone or (name, first) not in self._lost:
-                        self.events.append(FleetEvent("gone" if gone else "lost", name,
-                                                      tuple(experts), now, detail))
+                        self._emit(FleetEvent("gone" if gone else "lost", name,
+                                              tuple(experts), now, detail))
                     self._lost.discard((name, first))
                 elif state == "serving" and new[2] != "serving":
-                    self.events.append(FleetEvent("left", name, tuple(experts), now, new[2]))
+                    self._emit(FleetEvent("left", name, tuple(experts), now, new[2]))
             for name, (first, experts, state) in records.items():
                 if state == "serving" and (name not in old or old[name][2] != "serving"):
-                    self.events.append(FleetEvent("joined", name, tuple(experts), now, ""))
+                    self._emit(FleetEvent("joined", name, tuple(experts), now, ""))
                     self._suspects.pop(name, None)
             self._records = records
+
+    def _emit(self, event: FleetEvent) -> None:
+        """Records ``event`` in ``events`` and logs it (``lost`` and
+        ``refused`` as WARNING, the others INFO, on
+        ``moe_autograd.remote.ray_fleet``)."""
+        self.events.append(event)
+        log_event(_log, f"Ray fleet {self.namespace!r}", event)
 
     def refresh(self) -> None:
         """Reads the cluster now (the watch thread does so every ``poll``),
@@ -324,8 +334,8 @@ class RayFleet:
             record = self._records.get(worker)
             if record is not None and (worker, record[0]) not in self._lost:
                 self._lost.add((worker, record[0]))
-                self.events.append(FleetEvent("lost", worker, tuple(record[1]), now,
-                                              why or "a call failed on the transport"))
+                self._emit(FleetEvent("lost", worker, tuple(record[1]), now,
+                                      why or "a call failed on the transport"))
 
     def _served(self, worker: str) -> None:
         now = time.monotonic()

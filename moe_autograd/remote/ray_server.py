@@ -349,6 +349,14 @@ class RayExpertServer:
         """Expert name -> backward strategy, as served."""
         return dict(self._info["experts"])
 
+    def served(self, timeout: float = 5.0) -> Dict[str, int]:
+        """The calls the actor has served so far (a sealed ``info``):
+        ``forward``, ``backward`` and ``failed``, as
+        :meth:`~moe_autograd.remote.ExpertServer.served` counts them."""
+        info = self._request({"op": "info"}, timeout)
+        served = info.get("served") if isinstance(info, dict) else None
+        return {str(k): int(v) for k, v in served.items()} if isinstance(served, dict) else {}
+
     def stop(self, drain_timeout: float = 10.0) -> None:
         """Closes the servers (requests in flight get ``drain_timeout``
         seconds), then ends the actor. Idempotent; a dead actor is fine."""

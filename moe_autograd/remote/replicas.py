@@ -16,9 +16,14 @@ Invariants:
   MoE layer treats it as a constant).
 * A name with no live replica fails at once with :class:`NoLiveReplica` (a
   :class:`RemoteExpertError`): the MoE layer masks it like a failing expert.
+* A retry on another replica, and a switch to another replica than the
+  one that served the name last, are logged at INFO on
+  ``moe_autograd.remote.replicas`` (at most one line per expert name every
+  10 s, with the count of those held back).
 * Every attempt is sealed with the fleet's job secret (``fleet.secret``):
   a fleet resolves only servers that proved it (see each fleet's admission).
 """
+import logging
 import time
 import traceback
 from dataclasses import dataclass
@@ -26,14 +31,19 @@ from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from torch import Tensor, nn
 
+from ..logs import RateLimit, held_back
 from .auth import JobSecret
 from .client import RemoteExpert
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .transport import Transport, TransportError, check_timeout
 
-__all__ = ["FleetExpert", "FleetEvent", "NoLiveReplica", "Resolver", "caused_by_transport"]
+__all__ = ["FleetExpert", "FleetEvent", "NoLiveReplica", "Resolver", "caused_by_transport",
+           "log_event", "WARNING_EVENTS"]
 
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
+MAX_MESSAGE_CHARS = 600  # of a logged retry or switch
+_log = logging.getLogger(__name__)
+_limit = RateLimit()  # retries and switches, per expert name
 
 
 class NoLiveReplica(RemoteExpertError):
@@ -51,6 +61,22 @@ class FleetEvent:
     experts: Tuple[str, ...]
     at: float          # time.monotonic() of this process
     detail: str = ""
+
+
+#: Event kinds that mean calls fail or are refused (WARNING); the others are INFO.
+WARNING_EVENTS = ("lost", "refused")
+
+
+def log_event(logger: logging.Logger, fleet: str, event: FleetEvent) -> None:
+    """Logs what a fleet observed: WARNING for a server lost or refused,
+    INFO for one that joined, left, was reaped or is gone. Events are rare
+    (once per server and change), so they are not rate-limited."""
+    level = logging.WARNING if event.kind in WARNING_EVENTS else logging.INFO
+    if logger.isEnabledFor(level):
+        experts = f" ({', '.join(event.experts)})" if event.experts else ""
+        detail = f": {event.detail}" if event.detail else ""
+        logger.log(level, "%s: server %r %s%s%s", fleet, event.worker, event.kind, experts,
+                   detail)
 
 
 def caused_by_transport(error: BaseException) -> bool:
@@ -146,15 +172,28 @@ class FleetExpert(nn.Module):
             tried.append(worker)
             if failures:
                 self.retries += 1
+                self._say(f"retrying on {worker!r}: the attempt on {failures[-1][0]!r} failed: "
+                          f"{failures[-1][1]}")
             outputs, failure = self._attempt(worker, limit, args)
             if failure is None:
                 assert outputs is not None
+                if preferred is not None and worker != preferred:
+                    self._say(f"now served by {worker!r} (was {preferred!r})")
                 self.last_worker = worker
                 self.fleet._served(worker)
                 return outputs
             failures.append(failure[:3])
             if failure[3]:
                 self.fleet.suspect(worker, f"a call of {self.name!r} failed on the transport")
+
+    def _say(self, message: str) -> None:
+        """INFO on ``moe_autograd.remote.replicas``, at most one line per
+        expert name every :data:`~moe_autograd.logs.LOG_EVERY_S` seconds."""
+        if _log.isEnabledFor(logging.INFO):
+            held = _limit.allow(self.name)
+            if held is not None:
+                _log.info("fleet expert %r: %s%s", self.name, message[:MAX_MESSAGE_CHARS],
+                          held_back(held, _limit.every))
 
     def _attempt(self, worker: str, limit: Optional[float], args: Tuple[Any, ...]
                  ) -> Tuple[Optional[Outputs], Optional[Tuple[str, str, bool, bool]]]:

@@ -26,6 +26,13 @@ Invariants:
   reading the process's listening sockets).
 * :func:`bind_interface` never overrides a ``TP_SOCKET_IFNAME`` the user set,
   and leaves it unset when no interface can be found (TensorPipe's default).
+
+Noise: torch's own ``init_rpc`` exchanges device maps with
+``all_gather_object`` on a Gloo backend of its own, and torch then warns
+"You are using a Backend ... as a ProcessGroup. This usage is deprecated"
+(once per ``init_rpc``, in every member): torch's usage, nothing the user
+did or can change. Importing this module ignores that one warning (by its
+text); every other warning is left as it is.
 """
 import datetime
 import fcntl
@@ -34,12 +41,15 @@ import os
 import re
 import socket
 import struct
+import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 __all__ = ["host_store", "bind_interface", "interface_for", "start_rpc", "backend_options",
            "is_loopback", "store_address", "IFNAME_ENV"]
 
 IFNAME_ENV = "TP_SOCKET_IFNAME"
+warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup",
+                        category=UserWarning)  # torch's own init_rpc (see the docstring)
 _SIOCGIFADDR = 0x8915
 _stores: Dict[int, Any] = {}  # port -> the store this process hosts (kept alive)
 

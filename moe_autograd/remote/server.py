@@ -196,6 +196,7 @@ class ExpertServer:
         self._closed = threading.Event()
         self._busy = 0
         self._idle = threading.Condition()
+        self._served = {"forward": 0, "backward": 0, "failed": 0}  # under _idle
         hosted = {name: _Hosted(name, module, self,
                                 optimizer(module.parameters()) if optimizer else None)
                   for name, module in experts.items()}
@@ -237,8 +238,19 @@ class ExpertServer:
             if self._closed.is_set():  # only close() waits for the requests in flight
                 self._idle.notify_all()
 
+    def _count(self, op: str, ok: bool) -> None:
+        with self._idle:
+            self._served[op if ok else "failed"] += 1
+
+    def served(self) -> Dict[str, int]:
+        """Forward and backward calls answered so far, and calls that failed
+        (an error reply: the expert raised, a bad or refused request)."""
+        with self._idle:
+            return dict(self._served)
+
     def stats(self) -> Dict[str, Any]:
         """Live states and counters (``live`` is 0 for a stateless server);
+        ``served``: :meth:`served`;
         ``skipped_steps``: optimizer steps skipped for non-finite gradients;
         ``auth_refused``: requests this process refused (by reason, see
         :func:`~moe_autograd.remote.security_stats`; a stateful server's
@@ -247,7 +259,8 @@ class ExpertServer:
                                 "in_flight": self._busy, "experts": list(self.names),
                                 "skipped_steps": sum(h.skipped_steps for h in self._hosted),
                                 "non_finite_grads": self.non_finite_grads,
-                                "auth_refused": security_stats()["refused"]}
+                                "auth_refused": security_stats()["refused"],
+                                "served": self.served()}
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
 
@@ -520,8 +533,18 @@ def run_job(caller: Caller, job: Any) -> Reply:
     coalesced one): its reply, never an exception."""
     if not isinstance(job, dict) or job.get("op") not in JOB_OPS:
         return ["error", f"TypeError: a job is a dict whose op is one of {JOB_OPS}"]
-    run = _forward if job["op"] == "forward" else _backward
-    return _guarded(caller, job.get("expert"), lambda h: run(h, caller, job))
+    op = job["op"]
+    run = _forward if op == "forward" else _backward
+
+    def counted(hosted: _Hosted) -> List[Any]:
+        try:
+            result = run(hosted, caller, job)
+        except BaseException:
+            hosted.server._count(op, False)
+            raise
+        hosted.server._count(op, True)
+        return result
+    return _guarded(caller, job.get("expert"), counted)
 
 
 def _control_op(caller: Caller, request: Dict[str, Any]) -> Reply:
@@ -547,12 +570,17 @@ def _release_op(caller: Caller, request: Dict[str, Any]) -> Reply:
 
 
 def _info_op(caller: Caller, request: Dict[str, Any]) -> Reply:
-    """What this process serves to the caller's job (a fleet's challenge)."""
+    """What this process serves to the caller's job (a fleet's challenge),
+    and the calls its servers of that job have served (``served``)."""
     with _registry_lock:
-        experts = {n: h.server.backward for n, h in _experts.items()
-                   if caller.key_id in h.server.jobs}
+        mine = [h for h in _experts.values() if caller.key_id in h.server.jobs]
+        experts = {h.name: h.server.backward for h in mine}
         info = dict(_host)
-    info.update(pid=os.getpid(), experts=experts)
+    served: Dict[str, int] = {}
+    for server in {id(h.server): h.server for h in mine}.values():
+        for key, value in server.served().items():
+            served[key] = served.get(key, 0) + value
+    info.update(pid=os.getpid(), experts=experts, served=served)
     return ["ok", info]
 
 
