@@ -21,6 +21,7 @@ What it shows, on one machine with no arguments:
 Every child process is stopped on exit, Ctrl-C included.
 """
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -116,17 +117,21 @@ def _train(model: Model, task: RegionTask, steps: int, batch: int, lr: float, la
            quiet: bool) -> List[float]:
     """Trains with the fault-tolerant layer; returns the step times (s)."""
     from tqdm import tqdm  # type: ignore[import-untyped]
+    from tqdm.contrib.logging import logging_redirect_tqdm  # type: ignore[import-untyped]
 
     # Remote experts hold no parameters here: their servers step them.
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     times: List[float] = []
     bar = tqdm(range(steps), desc=label, disable=quiet, ncols=90, file=sys.stdout,
                mininterval=0.5)
-    for _ in bar:
-        seconds, logits, y, loss = train_step(model, opt, task, batch)
-        times.append(seconds)
-        acc = (logits.argmax(-1) == y).float().mean().item()
-        bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
+    # Log lines (the masked calls of the flaky and the slow expert) go
+    # through tqdm.write, above the bar, instead of breaking it.
+    with logging_redirect_tqdm(loggers=[logging.getLogger("moe_autograd")]):
+        for _ in bar:
+            seconds, logits, y, loss = train_step(model, opt, task, batch)
+            times.append(seconds)
+            acc = (logits.argmax(-1) == y).float().mean().item()
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc=f"{acc:.2f}")
     return times
 
 
@@ -188,6 +193,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(list(sys.argv[1:] if argv is None else argv))
     # torch.distributed's own deprecation chatter, raised inside init_rpc.
     warnings.filterwarnings("ignore", message=".*as a ProcessGroup.*")
+    # TensorPipe's "[W ...] ... EOF" lines of the servers, when the demo shuts
+    # the world down with replies of masked calls still on the way: read by
+    # torch when the servers import it (this process's own are set already).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # experts overlap on threads; leave the cores to them
     dim, width, classes, lr = 8, 32, 4, 3e-3

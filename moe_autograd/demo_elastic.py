@@ -31,6 +31,7 @@ both and hands them over (that module imports :mod:`.demo_task`, never this
 one, so there is no import circle).
 """
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -153,6 +154,13 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parse(argv)
+    # The demo prints the fleet's events itself, at their steps: its loggers
+    # would say the same again (masked calls are still logged).
+    logging.getLogger("moe_autograd.remote.fleet").setLevel(logging.ERROR)
+    logging.getLogger("moe_autograd.remote.ray_fleet").setLevel(logging.ERROR)
+    # TensorPipe's "[W ...] ... EOF" lines of the servers (a killed member, a
+    # leave): read by torch when the servers import it.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     if args.engine == "ray":
         # One way only: demo_elastic_ray imports demo_task, never this module.
         from .demo_elastic_ray import run
@@ -237,6 +245,7 @@ def _train(demo: _Demo, fleet: Any, model: Model, task: RegionTask, port: int
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))
         demo.follow(fleet, step)
+        demo.progress(step, args.steps, loss.item())
     return {"times": times, "masked": masked, "kill_at": kill_at, "replace_at": replace_at,
             "served_after": demo.served_after}
 

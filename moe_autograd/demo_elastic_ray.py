@@ -378,13 +378,14 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
             demo.note(f"gave up waiting: {gave_up}")
             stage = "done"
         before = book.totals()
-        seconds, _, _, _ = train_step(model, opt, task, args.batch)
+        seconds, _, _, loss = train_step(model, opt, task, args.batch)
         times.append(seconds)
         after = book.totals()
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))
         demo.take_notes()
         demo.follow(fleet, step)
+        demo.progress(step, args.steps, loss.item())
         step += 1
     end = len(times)
     c_join = demo.first("server_c joined")

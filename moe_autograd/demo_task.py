@@ -18,7 +18,7 @@ workers forked by a forkserver, Ray actors) import it to build their
 """
 import statistics
 import time
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -123,6 +123,19 @@ class ChurnLog:
         self._joins: Dict[str, int] = {}  # joined server -> step its join was seen
         #: Joined server -> steps until its first served call (see :meth:`follow`).
         self.served_after: Dict[str, int] = {}
+        self._last_progress: Optional[float] = None
+
+    def progress(self, step: int, total: int, loss: float, every: float = 10.0) -> None:
+        """Prints where training is (``step`` of ``total``, the loss) at most
+        every ``every`` seconds (unless ``quiet``): a stretch of steps without
+        churn is never silent for long."""
+        now = time.monotonic()
+        if self._last_progress is None:
+            self._last_progress = now
+        elif not self.quiet and now - self._last_progress >= every:
+            self._last_progress = now
+            print(f"  step {step:4d}  ({step + 1}/{total}{'+' if step + 1 >= total else ''} "
+                  f"steps, loss {loss:.3f})", flush=True)
 
     def note(self, text: str) -> None:
         self.log.append((self.step, text))
