@@ -5,7 +5,8 @@ Each test runs the README's commands (the command lines are checked to be
 the README's own, so that the README cannot drift from what runs) in a
 temporary directory of its own, on loopback and free ports, with a job
 secret made by ``python -m moe_autograd secret``; the training scripts are
-the README's, shortened to a few steps. Every process started here is
+the README's, shortened to a few steps (the elastic fleet's is extracted
+from the README and run as written, on a free port, for 3 steps). Every process started here is
 stopped here (the Ray cluster by its own ``ray start --block`` process)."""
 import os
 import re
@@ -35,6 +36,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def readme_block(containing: str) -> str:
+    """The README's fenced code block that contains ``containing``."""
+    blocks = [b for b in re.findall(r"^```[a-z]*\n(.*?)^```", README, flags=re.S | re.M)
+              if containing in b]
+    assert len(blocks) == 1, f"{len(blocks)} README blocks contain {containing!r}"
+    return blocks[0]
 
 
 def in_readme(*lines: str) -> None:
@@ -117,22 +126,11 @@ def test_elastic_fleet_recipe(job: Dict[str, str], tmp_path: Path) -> None:
               "--experts my_experts:make --name server_b --master-addr 127.0.0.1 "
               "--master-port 29500 --optimizer torch.optim:SGD")
     port = free_port()
-    trainer = textwrap.dedent(f"""
-        import torch
-        from moe_autograd.moe import MixtureOfExperts
-        from moe_autograd.remote import Fleet
-
-        fleet = Fleet.start("trainer", "127.0.0.1", {port})
-        names = [f"ffn{{i}}" for i in range(4)]
-        fleet.wait_for(names, timeout=120)
-        moe = MixtureOfExperts(fleet.experts(names, forward_timeout=5, backward_timeout=5), 512,
-                               k=2, k_min=0, allow_zero_outputs=True)
-        for step in range(3):
-            y, aux = moe(torch.randn(64, 512))
-            (y.square().mean() + 0.01 * aux).backward()
-        print("trained", [s["calls"] for s in moe.stats()], flush=True)
-        fleet.shutdown()
-    """)
+    # The README's trainer itself, on a free port and for 3 steps instead of 1,000.
+    trainer = readme_block('fleet = Fleet.start("trainer", "127.0.0.1", 29500)')
+    assert trainer.count("29500") == 2 and trainer.count("range(1000)") == 1, trainer
+    trainer = trainer.replace("29500", str(port)).replace("range(1000)", "range(3)")
+    trainer += '\nprint("trained", [s["calls"] for s in moe.stats()], flush=True)\n'
     founder = subprocess.Popen([sys.executable, "-c", trainer], cwd=tmp_path, env=job,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     server = None
@@ -146,6 +144,9 @@ def test_elastic_fleet_recipe(job: Dict[str, str], tmp_path: Path) -> None:
         out, err = founder.communicate(timeout=200)
         assert founder.returncode == 0 and "trained" in out, err[-2000:]
         assert server.wait(60) == 0  # the founder's shutdown asked it to leave
+        # What the recipe's logging shows: the server's join, then progress.
+        assert "fleet 'trainer': server 'server_b' joined (ffn0, ffn1, ffn2, ffn3)" in err, err
+        assert "INFO:root:step 0: loss " in err, err[-2000:]
     finally:
         stop(founder)
         if server is not None:
