@@ -18,6 +18,15 @@ Invariants:
 * While the pool has free workers, every call of a group runs concurrently
   with every other (a call is never queued behind a sibling).
 * A call never runs twice, and a cancelled call never starts.
+* A call that raises a ``BaseException`` that is not an ``Exception``
+  (Ctrl-C, ``SystemExit``: :func:`is_interruption`) is recorded like any
+  failure, on whichever thread it ran, and cancels the group's pending calls
+  (all later ones), as a loop stops there; a waiting caller interrupted in
+  its sleep cancels them too and joins the running ones before the
+  interruption leaves. Either way the batch is joined before anything is
+  raised, so no call of it runs on once the caller has the error, and
+  :meth:`TaskGroup.raise_first_error` raises the first error in call order,
+  as the loop would.
 * A group submitted with ``lanes`` runs on at most that many threads, each
   taking the next call in order (``lanes=1``: the caller alone, in ``wait``).
 * ``wait(help=False)`` never runs a call on the caller's thread, so a caller
@@ -58,11 +67,19 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, Set, TypeVar
 
+import torch
+
 __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled", "check_timeout",
-           "MAX_TIMEOUT_S", "release_free_memory"]
+           "MAX_TIMEOUT_S", "release_free_memory", "is_interruption", "WORKER_THREADS"]
 
 T = TypeVar("T")
 
+#: The intra-op thread count (``torch.set_num_threads``) of every worker
+#: between tasks: the importing thread's. OpenMP keeps the count per thread and
+#: a new thread inherits its creator's, so each worker sets it as it starts; a
+#: task of a caller with another count adopts the caller's and puts this one
+#: back (see :mod:`moe_autograd.tls`).
+WORKER_THREADS = torch.get_num_threads()
 _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 _thread_role = threading.local()  # .worker is True on the pool's threads
 DEFAULT_WORKERS = 32
@@ -76,7 +93,15 @@ class _StopAtExit(SystemExit):
 
 class CallCancelled(TimeoutError):
     """The error of a call that never started: its group was cancelled,
-    because the caller's deadline passed first."""
+    because the caller's deadline passed first, or an earlier call (or the
+    waiting caller) was interrupted."""
+
+
+def is_interruption(error: Optional[BaseException]) -> bool:
+    """Whether ``error`` is a ``BaseException`` that is not an ``Exception``
+    (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, a custom one):
+    it stops a batch as it stops a loop, and no tolerant caller masks it."""
+    return error is not None and not isinstance(error, Exception)
 
 
 class TaskGroup(Generic[T]):
@@ -107,6 +132,8 @@ class TaskGroup(Generic[T]):
         self._watchers = 0
         self._awaited: Set[int] = set()  # calls a waiter waits for (wait_for)
         self._pool = pool
+        #: The first :func:`is_interruption` error a call raised (by time), if any.
+        self.interrupted: Optional[BaseException] = None
 
     def __len__(self) -> int:
         return len(self._fns)
@@ -124,11 +151,15 @@ class TaskGroup(Generic[T]):
             self.results[i] = fn()  # type: ignore[misc]
         except BaseException as error:  # noqa: B902 - a worker must survive anything
             self.errors[i] = error
+            if is_interruption(error) and self.interrupted is None:
+                self.interrupted = error
             self._finish(i, _DONE)
-            # Ctrl-C (or SystemExit) while the caller helps must stop the caller,
-            # not become one more failed call that a tolerant caller masks.
-            if not isinstance(error, Exception) and not getattr(_thread_role, "worker", False):
-                raise
+            if is_interruption(error):
+                # As in a loop, no later call starts (they are all later: calls
+                # are taken in order); the group is then joined as always and the
+                # first error in call order raised (see raise_first_error).
+                self.cancel(f"cancelled before it started: call {i} raised "
+                            f"{type(error).__name__}")
             return True
         self._finish(i, _DONE)
         return True
@@ -181,16 +212,20 @@ class TaskGroup(Generic[T]):
                 pass
         if not self._remaining:
             return True
-        with self._cond:
-            watching = until is not None
-            self._waiters += 1
-            self._watchers += watching
-            try:
-                return self._sleep_until(
-                    lambda: not self._remaining or (until is not None and until()), timeout)
-            finally:
-                self._waiters -= 1
-                self._watchers -= watching
+        try:
+            with self._cond:
+                watching = until is not None
+                self._waiters += 1
+                self._watchers += watching
+                try:
+                    return self._sleep_until(
+                        lambda: not self._remaining or (until is not None and until()), timeout)
+                finally:
+                    self._waiters -= 1
+                    self._watchers -= watching
+        except BaseException:
+            self._stop_and_join()
+            raise
 
     def wait_for(self, i: int, timeout: Optional[float] = None, *, help: bool = True) -> bool:
         """Waits until call ``i`` is done; True unless ``timeout`` seconds
@@ -201,12 +236,29 @@ class TaskGroup(Generic[T]):
                 pass
         if self.done(i):
             return True
+        try:
+            with self._cond:
+                self._awaited.add(i)  # woken by call i's end only, not by every call's
+                try:
+                    return self._sleep_until(lambda: self.done(i), timeout)
+                finally:
+                    self._awaited.discard(i)
+        except BaseException:
+            self._stop_and_join()
+            raise
+
+    def _stop_and_join(self) -> None:
+        """The waiting thread was interrupted (Ctrl-C while it sleeps): no
+        pending call starts, and the running ones end before the interruption
+        reaches the caller, so nothing of the batch runs on behind its back.
+        A second interruption while it joins ends the join."""
+        self.cancel("cancelled before it started: the caller was interrupted")
         with self._cond:
-            self._awaited.add(i)  # woken by call i's end only, not by every call's
+            self._waiters += 1
             try:
-                return self._sleep_until(lambda: self.done(i), timeout)
+                self._sleep_until(lambda: not self._remaining, None)
             finally:
-                self._awaited.discard(i)
+                self._waiters -= 1
 
     def _sleep_until(self, ready: Callable[[], bool], timeout: Optional[float]) -> bool:
         """Under ``_cond``: sleeps until ``ready()``; False if ``timeout``
@@ -222,15 +274,16 @@ class TaskGroup(Generic[T]):
             self._cond.wait(left)
         return True
 
-    def cancel(self) -> None:
-        """Calls that have not started never will; running ones finish alone."""
+    def cancel(self, why: str = "cancelled before it started: the deadline passed") -> None:
+        """Calls that have not started never will (their error: a
+        :class:`CallCancelled` saying ``why``); running ones finish alone."""
         while True:
             try:
                 i = self._pending.popleft()
             except IndexError:
                 return
             self._fns[i] = None
-            self.errors[i] = CallCancelled("cancelled before it started: the deadline passed")
+            self.errors[i] = CallCancelled(why)
             self._finish(i, _CANCELLED)
 
     def raise_first_error(self, what: Optional[str] = "call") -> None:
@@ -320,6 +373,8 @@ class WorkerPool:
 
     def _serve(self) -> None:
         _thread_role.worker = True
+        if torch.get_num_threads() != WORKER_THREADS:
+            torch.set_num_threads(WORKER_THREADS)
         me = threading.get_ident()
         while True:
             group = self._tickets.get()

@@ -55,8 +55,9 @@ from torch.utils._pytree import TreeSpec, tree_flatten as _tree_flatten, tree_un
 
 from .checkpoint import enable_checkpointing, enable_recomputing
 from .executor import TaskGroup, get_pool
+from .kept import KeptTensors
 from .node import Grads, IsolatedCall, replayable_view
-from .module_state import ModuleState
+from .module_state import ModuleState, may_change, submodules
 from .call_streams import Ready, call_streams, cuda_devices, hand_back, record_ready
 from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
@@ -99,10 +100,15 @@ class ForeignGraphError(RuntimeError):
 
 def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
                   made: Optional[Tuple[int, int]] = None, name: str = "call",
-                  edges: Optional[Edges] = None) -> List[Tensor]:
+                  edges: Optional[Edges] = None,
+                  roots: Optional[Dict[Tuple[int, int], int]] = None,
+                  consumed: Optional[Set[int]] = None) -> List[Tensor]:
     """Every leaf tensor that requires grad under ``outputs``' graphs, other
     than those whose ``id`` is in ``known``, in a stable order; with
-    ``edges``, also every edge into each leaf (see :mod:`moe_autograd.terms`).
+    ``edges``, also every edge into each leaf (see :mod:`moe_autograd.terms`);
+    with ``roots`` (``(id(grad_fn), output_nr) -> position``), the positions
+    of those the graph consumes (an edge of one of its nodes leads there)
+    added to ``consumed`` (see :mod:`moe_autograd.kept`).
 
     ``made`` is the range of sequence numbers of the nodes the call made (on
     its thread): a non-leaf node outside it belongs to another graph, the
@@ -134,6 +140,11 @@ def _graph_leaves(outputs: Sequence[Tensor], known: Set[int],
                 f"it did not receive as an argument (a closure over a non-leaf tensor, reached "
                 f"at {fn.name()}); pass that tensor as an input of the call")
         next_functions = fn.next_functions
+        if roots is not None and consumed is not None:
+            for next_fn, nr in next_functions:
+                at = roots.get((id(next_fn), nr))
+                if at is not None:
+                    consumed.add(at)
         if edges is not None:
             for j, (next_fn, _) in enumerate(next_functions):
                 if type(next_fn) is ACCUMULATE_GRAD:
@@ -337,6 +348,24 @@ class ModuleCall(IsolatedCall):
         self._local_outputs: Optional[List[Tensor]] = None
         self.outputs: List[Tensor] = []
         self.result: Any = None
+        #: The expert's module tree, once walked (see :meth:`order_keys`).
+        self._submodules: Optional[List[nn.Module]] = None
+        #: Positions of the roots its graph consumes, and how they get their
+        #: whole gradient (see :mod:`moe_autograd.kept`).
+        self._consumed: List[int] = []
+        self._kept: Optional[KeptTensors] = None
+
+    def order_keys(self) -> List[int]:
+        """The ids of the module objects whose state this call's forward may
+        change (:func:`~moe_autograd.module_state.may_change`; the expert
+        itself always): calls sharing one run in call order (see
+        :func:`moe_autograd.parallel._in_call_order`). None for a call a
+        collector starts, or of a plain function."""
+        module = self.module
+        if self.collector is not None or not isinstance(module, nn.Module):
+            return []
+        tree = self._submodules = submodules(module)
+        return [id(module), *(id(m) for m in tree[1:] if may_change(m))]
 
     # -- forward ---------------------------------------------------------------
     def _call(self) -> Any:
@@ -355,7 +384,8 @@ class ModuleCall(IsolatedCall):
 
     def _forward(self) -> List[Tensor]:
         module = self.module
-        state = ModuleState(module, self.checkpoint) if isinstance(module, nn.Module) else None
+        state = (ModuleState(module, self.checkpoint, self._submodules)
+                 if isinstance(module, nn.Module) else None)
         if self.checkpoint:
             assert self._leaves is not None
             self._versions = self._input_versions()
@@ -488,8 +518,14 @@ class ModuleCall(IsolatedCall):
         self.adopt_requires_grad()
         differentiable = [o for o in self.outputs if o.requires_grad]
         edges: Edges = {}
+        roots: Optional[Dict[Tuple[int, int], int]] = None
+        consumed: Set[int] = set()
+        if len(differentiable) > 1:  # one root cannot lead to another
+            roots = {(id(o.grad_fn), o.output_nr): k for k, o in enumerate(self.outputs)
+                     if o.requires_grad and o.grad_fn is not None}
         self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
-                                    self._made, self.name, edges)
+                                    self._made, self.name, edges, roots, consumed)
+        self._consumed = sorted(consumed)
         self._split = TermSplit.of(self.inputs + self.params, self._grad_leaves + self.params,
                                    edges)
         if self.checkpoint:
@@ -531,6 +567,7 @@ class ModuleCall(IsolatedCall):
             self._out_versions = [(weakref.ref(o), o._version) for o in outer_outputs]
         if self._layout is None:
             self._originals = None
+            self._follow(outer_outputs)
             it = iter(outer_outputs)
             leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
             return tree_unflatten(leaves, self._out_spec)
@@ -557,9 +594,28 @@ class ModuleCall(IsolatedCall):
         visible = self._visible
         if self._module_state is not None:
             self._module_state.rebind(tensors[visible:], outer[visible:])
+        self._follow(outer_outputs)
         it = iter(outer[:visible])
         leaves = [next(it) if isinstance(v, Tensor) else v for v in self._out_leaves]
         return tree_unflatten(leaves, self._out_spec)
+
+    def _follow(self, outer_outputs: Sequence[Tensor]) -> None:
+        """The roots the call's graph consumes get their whole gradient
+        (see :mod:`moe_autograd.kept`)."""
+        if not self._consumed:
+            return
+        kept = KeptTensors(self.name)
+        layout = self._layout
+        for at in self._consumed:
+            outer = outer_outputs[at]
+            if not outer.requires_grad:
+                continue
+            k = at if layout is None else layout.index(("root", at))
+            state = self._module_state
+            name = (f"output {k}" if k < self._visible or state is None else
+                    f"the tensor the expert kept in {state.set_attrs[k - self._visible][1]!r}")
+            kept.add(outer, at, name, self.outputs[at].retains_grad)
+        self._kept = kept if kept.items else None
 
     # -- recomputation ---------------------------------------------------------
     def _recompute_now(self) -> None:
@@ -644,6 +700,8 @@ class ModuleCall(IsolatedCall):
     def backward_starts(self) -> None:
         if self.cuda_devices:
             self._backward_ready = record_ready(self.cuda_devices)
+        if self._kept is not None:
+            self._kept.started()
 
     def backward(self, grad_outputs: Grads) -> Grads:
         if self._leaves is None:
@@ -671,12 +729,21 @@ class ModuleCall(IsolatedCall):
         if not pairs:
             return [None] * len(self.inputs)
         targets = self._grad_leaves + self.params
+        follow = self._kept.roots if self._kept is not None else []
         split = self._split
         try:
             with split.capture() if split is not None else nullcontext():
-                computed = torch.autograd.grad([p[0] for p in pairs], targets,
-                                               [p[1] for p in pairs], retain_graph=True,
+                computed = torch.autograd.grad([p[0] for p in pairs],
+                                               targets + [outputs[r] for r in follow],
+                                               [p[1] for p in pairs],
+                                               retain_graph=self.retain_graph,
                                                allow_unused=True)
+            if follow:
+                # Handed here, as the call's backward ends: the engine may never
+                # take its input gradients (backward(inputs=...) naming no tensor
+                # of this call's but one it computes further from).
+                self._kept.hand(list(computed[len(targets):]))  # type: ignore[union-attr]
+                computed = computed[:len(targets)]
         except RuntimeError as error:
             if "use_reentrant" not in str(error):
                 raise
@@ -703,3 +770,4 @@ class ModuleCall(IsolatedCall):
         self._recompute = None
         self._split = None
         self.state = None
+        self._kept = None

@@ -44,7 +44,7 @@ from typing import Any, Dict, Generator, List, Optional, Set, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["ModuleState"]
+__all__ = ["ModuleState", "submodules", "may_change"]
 
 _REPLAY_LOCK = threading.Lock()
 
@@ -61,6 +61,23 @@ def _submodules(module: nn.Module, out: List[nn.Module], seen: Set[int]) -> List
     return out
 
 
+def submodules(module: nn.Module) -> List[nn.Module]:
+    """``list(module.modules())``: the module tree a call reaches."""
+    return _submodules(module, [], set())
+
+
+_TORCH_NN = "torch.nn.modules."
+
+
+def may_change(module: nn.Module) -> bool:
+    """Whether a forward through ``module`` may change its state: it has
+    buffers (BatchNorm's running statistics), hooks, or a class of its own
+    (whose forward may set anything); the ``torch.nn`` modules without
+    buffers (Linear, LayerNorm, Embedding, ...) only compute."""
+    return bool(module._buffers or module._forward_hooks or module._forward_pre_hooks
+                or not type(module).__module__.startswith(_TORCH_NN))
+
+
 def _same(now: Dict[str, Any], before: Dict[str, Any]) -> bool:
     """Whether an attribute dict holds the same objects as its copy (a
     reassigned key keeps its place, a new key adds one): a C-speed test for
@@ -73,8 +90,10 @@ class ModuleState:
 
     __slots__ = ("_modules", "_dicts", "_buffers", "set_attrs")
 
-    def __init__(self, module: nn.Module, checkpoint: bool) -> None:
-        self._modules: List[nn.Module] = _submodules(module, [], set())
+    def __init__(self, module: nn.Module, checkpoint: bool,
+                 modules: Optional[List[nn.Module]] = None) -> None:
+        #: ``submodules(module)``, walked here unless the caller did.
+        self._modules: List[nn.Module] = modules if modules is not None else submodules(module)
         self._dicts: List[Dict[str, Any]] = [dict(m.__dict__) for m in self._modules]
         #: The buffers' values before the forward (checkpointed calls only:
         #: kernels such as batch norm's update running statistics in place

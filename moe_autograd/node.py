@@ -79,6 +79,7 @@ import torch
 from torch import Tensor
 
 from . import collect
+from .executor import is_interruption
 from .phony import get_phony
 from .saved import CallSaves
 from .tls import bind, capture
@@ -116,6 +117,10 @@ class IsolatedCall:
     #: collector) instead of a worker; None: :meth:`backward` runs on a
     #: worker (see :mod:`moe_autograd.collect`).
     collector: Optional["collect.Collector"] = None
+    #: Whether the backward under way may be followed by another through the
+    #: same graph (the outer backward's ``retain_graph``, set as it starts):
+    #: a call's own graph is kept only then (see :func:`keeps_graph`).
+    retain_graph = True
 
     @property
     def needs_grad(self) -> bool:
@@ -269,25 +274,43 @@ def _identity(x: Any) -> Any:
 
 class _NoDoubleBackward(torch.autograd.Function):
     """Passes the node's input gradients through, connected to the node's
-    inputs, with a backward that raises: with ``create_graph`` the gradients
-    must never be differentiated silently as constants.
+    inputs AND to the gradients it received, with a backward that raises:
+    with ``create_graph`` the gradients must never be differentiated
+    silently as constants, whatever asks.
 
     ``torch.autograd.function.once_differentiable`` is not enough here: it
     guards only when an incoming gradient requires grad, and its error node
     hangs off fresh leaves, so ``torch.autograd.grad(..., inputs)`` never
     reaches it. A gradient penalty on ``grad(y.sum(), x, create_graph=True)``
-    would then lose its second-order term without a word."""
+    would then lose its second-order term without a word. Connected to the
+    incoming gradients too, it also stops what differentiates the gradients
+    with respect to those: ``torch.autograd.functional.jvp`` (the
+    double-backward trick: with ``strict=False`` a missing path there is
+    zeros), ``hvp``, ``hessian``."""
 
     @staticmethod
-    def forward(ctx: Any, n: int, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]
+    def forward(ctx: Any, name: str, n: int,  # type: ignore[override]
+                *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+        ctx.name = name
         return tuple(None if g is None else g.view_as(g) for g in tensors[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]
         raise RuntimeError(
-            "trying to differentiate twice a function that was marked with "
+            f"{ctx.name}: trying to differentiate twice a function that was marked with "
             "@once_differentiable: the gradients of a parallel call (parallel_apply, "
-            "map_with_parallel_backward) do not support double backward")
+            "map_with_parallel_backward, MixtureOfExperts) do not support double backward, "
+            "nor anything that differentiates them (create_graph=True then a gradient of "
+            "the gradients: a gradient penalty, torch.autograd.functional.jvp, hvp, vhp, "
+            "hessian); use torch.func transforms, which run the calls in a loop")
+
+
+def _guarded(name: str, grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor],
+             incoming: Sequence[Optional[Tensor]]) -> Tuple[Optional[Tensor], ...]:
+    """``grads`` through :class:`_NoDoubleBackward`, hung off ``inputs`` and
+    the ``incoming`` gradients that require grad."""
+    tied = [g for g in incoming if g is not None and g.requires_grad]
+    return _NoDoubleBackward.apply(name, len(grads), *grads, *inputs, *tied)
 
 
 class _ParallelNode(torch.autograd.Function):
@@ -346,9 +369,16 @@ class _ParallelNode(torch.autograd.Function):
         with torch.no_grad():
             grads = _ParallelNode._backward(plan, calls, grad_outputs)
         if plan.streams:
-            return grads  # no gradient but the tokens' (the calls' nodes guard theirs)
+            # No gradient but the tokens': tied to the incoming gradients, which
+            # the calls' nodes then tie theirs to.
+            tokens = [k for k, g in enumerate(grads) if g is not None]
+            if not tokens:
+                return grads
+            tied = dict(zip(tokens, _guarded(plan.name, [grads[k] for k in tokens], [],
+                                             grad_outputs)))
+            return tuple(tied.get(k, g) for k, g in enumerate(grads))
         inputs = [t for call in reversed(calls) for t in call.inputs]
-        return _NoDoubleBackward.apply(len(grads), *grads, *inputs)
+        return _guarded(plan.name, grads, inputs, grad_outputs)
 
     @staticmethod
     def _backward(plan: _Plan, calls: Sequence[IsolatedCall],
@@ -418,7 +448,7 @@ class _CallGradients(torch.autograd.Function):
         inputs = plan.calls[i].inputs
         with torch.no_grad():
             grads = current.grads_of(i)
-        return (None, None, *_NoDoubleBackward.apply(len(grads), *grads, *inputs))
+        return (None, None, *_guarded(plan.name, grads, inputs, [grad]))
 
 
 def _check_grads(plan: _Plan, i: int, call: IsolatedCall, grads: Grads) -> Grads:
@@ -498,6 +528,20 @@ def _restore(hooks: Dict[Any, Any], items: List[Tuple[Any, Any]]) -> None:
     hooks.update(kept)
 
 
+_KEEP_GRAPH = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def keeps_graph() -> bool:
+    """On the engine's thread, in a node's backward: whether the backward
+    under way keeps the graph (``retain_graph``, ``create_graph``), so that
+    another backward may run through it. Only then does a call keep its own
+    graph after its backward, as the loop's would be kept: a graph kept
+    otherwise holds its buffers longer, and a compiled expert's backward
+    (inductor's donated buffers) refuses to run with ``retain_graph``. True
+    where PyTorch does not say (before 2.6)."""
+    return True if _KEEP_GRAPH is None else bool(_KEEP_GRAPH())
+
+
 def _on_device_thread(plan: _Plan, active: List[int]) -> bool:
     """Whether this backward runs on one of the engine's device threads (a
     thread PyTorch made, not Python) for calls with tensors on a device.
@@ -534,7 +578,9 @@ class _Pass:
 
     Under the default policy the first failure met, in the loop's order
     (later calls first), is raised; under a tolerant one a failed or late
-    call gives None gradients (a constant).
+    call gives None gradients (a constant), but an interrupted one
+    (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``) is raised,
+    never masked.
     """
 
     def __init__(self, plan: _Plan, per_call: List[Optional[Grads]]) -> None:
@@ -567,7 +613,9 @@ class _Pass:
             if failure is not None:
                 saves.fail(failure)
         self._muted = _Muted(calls, self.active)
+        retain = keeps_graph()
         for i in self.active:
+            calls[i].retain_graph = retain
             calls[i].backward_starts()
         # On a device thread: one lane, this thread, and no deadline can hold.
         self.inline = _on_device_thread(plan, self.active)
@@ -632,7 +680,7 @@ class _Pass:
                 raise error
         elif group.succeeded(k):
             grads = group.results[k]  # type: ignore[assignment]
-        elif not plan.policy.tolerate_failures:  # type: ignore[union-attr]
+        elif not plan.policy.tolerate_failures or is_interruption(group.errors[k]):  # type: ignore[union-attr]
             self._fail()
             raise group.errors[k] or self._late(i)
         else:

@@ -21,6 +21,7 @@ runs its calls in a loop on the caller (see :mod:`moe_autograd.transforms`);
 :func:`start_calls` raises there. The entry points are opaque to dynamo
 (``torch.compile`` breaks the graph around them instead of tracing the pool).
 """
+import threading
 from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -30,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
-from .executor import TaskGroup
+from .executor import CallCancelled, TaskGroup, is_interruption
 from .call_streams import Ready, record_ready
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
@@ -145,7 +146,7 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
                 raise
         return bind(state, run, call.saves)
 
-    return calls, [task(c) for c in calls]
+    return calls, _in_call_order(calls, [task(c) for c in calls])
 
 
 def _autocast_shares_casts(modules: Sequence[Expert]) -> bool:
@@ -169,43 +170,58 @@ def _autocast_shares_casts(modules: Sequence[Expert]) -> bool:
 
 def _in_call_order(calls: Sequence[ModuleCall], tasks: List[Callable[[], ModuleCall]]
                    ) -> List[Callable[[], ModuleCall]]:
-    """The tasks, with the calls of a module object that several calls share
-    run one after another in call order, by the task of the first of them
-    (the others' tasks only return their record): the module's state (its
-    buffers, the attributes its forward sets) evolves as in the loop. Calls a
-    collector starts (remote experts) keep their own order. For
-    ``parallel_apply`` only: :func:`start_calls`' callers (the MoE layer's
-    quorum) read each call's completion, which a chained call would report
-    before it ran."""
-    chains: Dict[int, List[int]] = {}
+    """The tasks, each call that reaches a stateful module object an earlier
+    call of the batch also reaches (:meth:`ModuleCall.order_keys`: the
+    expert itself, or a submodule with buffers, hooks or a forward of its
+    own: a norm shared by distinct experts, say) starting only once those
+    earlier calls have finished: that module's state (buffers, attributes
+    its forward sets) evolves as in the loop. Calls a collector starts
+    (remote experts) keep their own order.
+
+    A waiting call blocks its thread, which cannot deadlock: a group's calls
+    start in call order, so the calls it waits for have started already. A
+    call whose predecessor was interrupted (:func:`is_interruption`) does
+    not run, as the loop stops there."""
+    last: Dict[int, int] = {}  # key -> the last call reaching it so far
+    waits: List[List[int]] = []
     for i, call in enumerate(calls):
-        if isinstance(call.module, nn.Module) and call.collector is None:
-            chains.setdefault(id(call.module), []).append(i)
-    shared = [chain for chain in chains.values() if len(chain) > 1]
-    if not shared:
+        before: List[int] = []
+        for key in call.order_keys():
+            j = last.get(key)
+            if j is not None and j not in before:
+                before.append(j)
+            last[key] = i
+        waits.append(before)
+    if not any(waits):
         return tasks
-    tasks = list(tasks)
-    for chain in shared:
-        members = [tasks[i] for i in chain]
+    awaited = {j for before in waits for j in before}
+    done = {j: threading.Event() for j in awaited}
+    stops: Dict[int, BaseException] = {}
 
-        def run_chain(members: List[Callable[[], ModuleCall]] = members,
-                      chained: List[ModuleCall] = [calls[i] for i in chain],
-                      first: ModuleCall = calls[chain[0]]) -> ModuleCall:
-            for task, call in zip(members, chained):
-                try:
-                    task()
-                except BaseException as error:
-                    error.add_note(call.name)
-                    raise
-            return first
-        tasks[chain[0]] = run_chain
-        for i in chain[1:]:
-            tasks[i] = _returns(calls[i])
-    return tasks
+    def ordered(i: int, task: Callable[[], ModuleCall]) -> Callable[[], ModuleCall]:
+        before, mine = [done[j] for j in waits[i]], done.get(i)
 
+        def run() -> ModuleCall:
+            try:
+                for event in before:
+                    event.wait()
+                stop = next((stops[j] for j in waits[i] if j in stops), None)
+                if stop is not None:
+                    raise CallCancelled(f"{calls[i].name}: not run: an earlier call reaching "
+                                        f"the same module raised {type(stop).__name__}")
+                return task()
+            except BaseException as error:
+                if is_interruption(error):
+                    stops[i] = error
+                elif isinstance(error, CallCancelled) and waits[i]:
+                    stops[i] = error  # passed on to the calls after it
+                raise
+            finally:
+                if mine is not None:
+                    mine.set()
+        return run
 
-def _returns(call: ModuleCall) -> Callable[[], ModuleCall]:
-    return lambda: call
+    return [ordered(i, task) if waits[i] or i in done else task for i, task in enumerate(tasks)]
 
 
 def _check_lengths(name: str, n: int, inputs: Sequence[Any],
@@ -315,7 +331,6 @@ def parallel_apply(modules: Sequence[Expert], inputs: Sequence[Any],
         lanes = decision.lanes if decision.mode in (LANES, INLINE) else None
         calls, tasks = _make_calls(modules, inputs, kwargs, flags, False, "parallel_apply",
                                    None, None, lanes)
-        tasks = _in_call_order(calls, tasks)
         try:
             run_calls(calls, [measure.timed(i, t) for i, t in enumerate(tasks)],
                       "parallel_apply: call", lanes=lanes, measure=measure)

@@ -1,12 +1,15 @@
 """The thread-local state that a call carries from its caller to a worker.
 
-PyTorch keeps autocast, inference mode, saved-tensor hooks and the current
-CUDA streams per thread. A call that runs on a worker must see the same state
+PyTorch keeps autocast, inference mode, saved-tensor hooks, the current
+CUDA streams and (OpenMP) the intra-op thread count per thread. A call that runs on a worker must see the same state
 as if it ran on the caller, otherwise an expert would silently compute in
 another precision (autocast), escape the user's saved-tensor hooks
-(offloading, memory accounting, non-reentrant checkpoint frames), or queue its
+(offloading, memory accounting, non-reentrant checkpoint frames), queue its
 kernels on a stream that does not wait for the caller's work (the caller's
-``torch.cuda.stream``, or the stream the engine runs a node's backward on).
+``torch.cuda.stream``, or the stream the engine runs a node's backward on), or
+split its CPU kernels over another number of threads than the caller's
+``torch.set_num_threads`` (other bits: a reduction's partial sums follow the
+thread count; and bits that depend on which worker ran the call).
 The autograd engine does the same for its own threads.
 
 Invariants:
@@ -27,6 +30,7 @@ from typing import Any, Callable, Generator, List, Optional, Tuple, TypeVar
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from .executor import WORKER_THREADS
 from .saved import CallSaves
 
 __all__ = ["CallerState", "capture", "bind", "autocast_enabled"]
@@ -50,7 +54,7 @@ class CallerState:
     """A snapshot of the caller thread's state, taken at submission."""
 
     __slots__ = ("autocast", "cache_enabled", "inference_mode", "saved_tensor_hooks",
-                 "dispatch_modes", "cuda_streams")
+                 "dispatch_modes", "cuda_streams", "num_threads")
 
     def __init__(self) -> None:
         self.autocast: List[Tuple[str, bool, torch.dtype]] = [
@@ -68,6 +72,9 @@ class CallerState:
         self.dispatch_modes = torch._C._len_torch_dispatch_stack() > 0
         #: The current streams of the CUDA devices where it is not the default.
         self.cuda_streams = _current_cuda_streams()
+        #: The intra-op thread count (``torch.set_num_threads``), per thread in
+        #: OpenMP: CPU kernels split their work by it, so it decides the bits.
+        self.num_threads = torch.get_num_threads()
 
     @classmethod
     def plain(cls) -> "CallerState":
@@ -82,12 +89,14 @@ class CallerState:
         state.saved_tensor_hooks = None
         state.dispatch_modes = False
         state.cuda_streams = ()
+        state.num_threads = WORKER_THREADS
         return state
 
     @property
     def is_default(self) -> bool:
         return not (self.inference_mode or self.saved_tensor_hooks is not None
                     or self.dispatch_modes or self.cuda_streams
+                    or self.num_threads != WORKER_THREADS
                     or any(enabled for _, enabled, _ in self.autocast))
 
     def saves(self) -> Optional[CallSaves]:
@@ -104,6 +113,8 @@ class CallerState:
                 stack.enter_context(_disable_current_modes())
             for stream in self.cuda_streams:
                 stack.enter_context(torch.cuda.stream(stream))
+            if self.num_threads != torch.get_num_threads():
+                stack.enter_context(_intra_op_threads(self.num_threads))
             if self.inference_mode and not torch.is_inference_mode_enabled():
                 stack.enter_context(torch.inference_mode())
             for device, enabled, dtype in self.autocast:
@@ -120,6 +131,16 @@ class CallerState:
                 stack.enter_context(torch.autograd.graph.saved_tensors_hooks(_identity, _identity))
             yield
 
+
+
+@contextmanager
+def _intra_op_threads(n: int) -> Generator[None, None, None]:
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 def _current_cuda_streams() -> Tuple[torch.cuda.Stream, ...]:

@@ -5,6 +5,7 @@ import time
 import weakref
 from typing import Any, Callable, List, Sequence
 
+import torch
 from torch import Tensor
 from torch.autograd import Function
 
@@ -135,3 +136,12 @@ def plain_moe(gate: nn.Module, experts: Sequence[nn.Module], k: int, x: Tensor
     counts = torch.bincount(top_experts.reshape(-1), minlength=num_experts)
     aux = num_experts * (counts.to(probs.dtype) / top_experts.numel() * probs).sum()
     return y.reshape(*lead, *y.shape[1:]), aux
+
+
+def bits_equal(a: Any, b: Any) -> bool:
+    """Whether two tensors (or two Nones) are equal bit for bit, dtype and shape."""
+    if a is None or b is None:
+        return a is None and b is None
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.detach().contiguous().reshape(-1).view(torch.uint8),
+        b.detach().contiguous().reshape(-1).view(torch.uint8))

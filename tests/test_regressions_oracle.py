@@ -23,6 +23,8 @@ from torch import Tensor, nn
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
 
+from helpers import bits_equal
+
 pytestmark = pytest.mark.timeout(60)
 
 MODES = ["inline", "lanes", "parallel"]
@@ -37,14 +39,6 @@ def twins(make: Callable[[], nn.Module], n: int = 1) -> Tuple[List[Any], List[An
     torch.manual_seed(0)
     mods = [make() for _ in range(n)]
     return mods, copy.deepcopy(mods)
-
-
-def bits_equal(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
-        a.detach().contiguous().reshape(-1).view(torch.uint8),
-        b.detach().contiguous().reshape(-1).view(torch.uint8))
 
 
 class Nested(nn.Module):
@@ -152,23 +146,58 @@ class TwoOutputs(nn.Module):
         return h, h * 2
 
 
-@pytest.mark.xfail(strict=True, reason="D5: a hook / retain_grad on an output that other "
-                   "outputs (or self.aux) are computed from sees only its direct gradient")
+@pytest.mark.xfail(strict=True, reason="D5: a hook on an output that other outputs (or "
+                   "self.aux) are computed from runs before the call's backward, with only "
+                   "its direct gradient")
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
 def test_output_hook_sees_gradient_through_other_outputs(mode: str) -> None:
-    """oracle: hook:out + output:tuple / output:aux / retain_grad;
+    """oracle: hook:out + output:tuple / output:aux;
     pytest tests/oracle --fuzz-seed=0 --fuzz-case=126"""
     (mod,), (ref,) = twins(TwoOutputs)
     x = torch.randn(3, 4, requires_grad=True)
     got: List[Tensor] = []
     want: List[Tensor] = []
     h, h2 = parallel_apply([mod], [x], mode=mode)[0]
-    h.register_hook(got.append)
+    h.register_hook(lambda g: got.append(g.clone()))  # the value the hook sees
     (h.sum() + h2.sum() + mod.aux).backward()
     rh, rh2 = ref(x.detach().requires_grad_())
-    rh.register_hook(want.append)
+    rh.register_hook(lambda g: want.append(g.clone()))
     (rh.sum() + rh2.sum() + ref.aux).backward()
     assert len(got) == len(want) == 1 and bits_equal(got[0], want[0])
+
+
+_D5B = pytest.mark.xfail(strict=True, reason=(
+    "D5b: torch.autograd.grad captures the gradient of an output the call computes further "
+    "from before the node runs: asked for with the call's input, it is the direct part only"))
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+@pytest.mark.parametrize("how", ["retain_grad", pytest.param("autograd_grad", marks=_D5B),
+                                 "backward_inputs"])
+def test_gradient_of_an_output_other_outputs_are_computed_from(mode: str, how: str) -> None:
+    """D5 (fixed for everything but hooks, issue 30): ``.grad`` after
+    retain_grad(), torch.autograd.grad and backward(inputs=...) of an output
+    that the call computes further from (``return h, h * 2``, ``self.aux``)
+    sum its gradient through the other outputs too, as the loop's."""
+    (mod,), (ref,) = twins(TwoOutputs)
+    x = torch.randn(3, 4, requires_grad=True)
+    results = []
+    for expert, run in ((mod, lambda m, t: parallel_apply([m], [t], mode=mode)[0]),
+                        (ref, lambda m, t: m(t))):
+        t = x.detach().requires_grad_()
+        h, h2 = run(expert, t)
+        loss = h.sum() + h2.sum() + expert.aux
+        if how == "retain_grad":
+            h.retain_grad()
+            loss.backward()
+            results.append((h.grad, t.grad))
+        elif how == "autograd_grad":
+            results.append(torch.autograd.grad(loss, [h, t]))
+        else:
+            loss.backward(inputs=[h, t])
+            results.append((h.grad, t.grad))
+    (got_h, got_x), (want_h, want_x) = results
+    assert bits_equal(got_h, want_h) and bits_equal(got_x, want_x)
 
 
 class Identity(nn.Module):

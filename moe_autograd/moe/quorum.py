@@ -17,7 +17,10 @@ clamps huge values to :data:`MAX_TIMEOUT_S`, what ``threading`` waits accept.
 Invariants: the wait never runs an expert on the caller's thread while a
 deadline is set (a straggler cannot hold the caller), it returns by the
 deadline however long a call runs, and calls that had not started by then are
-cancelled. A call that finishes late is simply never looked at again.
+cancelled. A call that finishes late is simply never looked at again. A call
+interrupted (``KeyboardInterrupt``, ``SystemExit``: not an ``Exception``) is
+never masked: the wait joins every running call, deadline or not, and raises
+the first error in call order.
 """
 import time
 from typing import Any, List, Optional, Sequence
@@ -25,7 +28,7 @@ from typing import Any, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from ..executor import MAX_TIMEOUT_S, TaskGroup, check_timeout
+from ..executor import MAX_TIMEOUT_S, TaskGroup, check_timeout, is_interruption
 
 __all__ = ["gather", "check_timeout", "MAX_TIMEOUT_S"]
 
@@ -37,6 +40,7 @@ def gather(group: TaskGroup[Any], call_tokens: Sequence[Tensor], num_tokens: int
     timeout_after_k_min = check_timeout("timeout_after_k_min", timeout_after_k_min)
     if forward_timeout is None and timeout_after_k_min is None:
         group.wait()
+        _raise_interruption(group)
         return [group.succeeded(i) for i in range(n)]
 
     hard = None if forward_timeout is None else time.monotonic() + forward_timeout
@@ -44,6 +48,8 @@ def gather(group: TaskGroup[Any], call_tokens: Sequence[Tensor], num_tokens: int
     counted = [False] * n
 
     def quorum_met() -> bool:
+        if group.interrupted is not None:
+            return True  # stops the wait; raised below
         for i in range(n):
             if not counted[i] and group.succeeded(i):
                 counted[i] = True
@@ -54,10 +60,24 @@ def gather(group: TaskGroup[Any], call_tokens: Sequence[Tensor], num_tokens: int
         return None if deadline is None else max(0.0, deadline - time.monotonic())
 
     group.wait(left(hard), help=False, until=quorum_met)
+    _raise_interruption(group)
     if not group.all_done and quorum_met():
         after = hard if timeout_after_k_min is None else time.monotonic() + timeout_after_k_min
         if hard is not None and after is not None:
             after = min(after, hard)
         group.wait(left(after), help=False)
     group.cancel()
+    _raise_interruption(group)
     return [group.succeeded(i) for i in range(n)]
+
+
+def _raise_interruption(group: TaskGroup[Any]) -> None:
+    """A call interrupted (Ctrl-C, ``SystemExit``: never masked as a failed
+    expert): the group is joined (no call runs on behind the caller's back;
+    its later calls were cancelled), then the first interruption in call
+    order raised (the layer masks the other failures)."""
+    if group.interrupted is None:
+        return
+    group.cancel("cancelled before it started: an earlier call was interrupted")
+    group.wait(help=False)
+    raise next(e for e in group.errors if is_interruption(e))  # type: ignore[misc]

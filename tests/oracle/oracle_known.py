@@ -99,11 +99,12 @@ KNOWN_DIVERGENCES: List[Known] = [
            "after_step", "hooks"), ("value", "missing_error"),
           witnesses=((0, 877), (1795471345, 6636), (1795473307, 3722))),
     Known("D5-output-hook-partial-gradient",
-          "a hook / retain_grad on an output that other outputs or self.aux are computed from "
-          "sees only its direct gradient",
-          lambda c: bool({"hook:out", "retain_grad"} & constructs(c)) and bool(
+          "a hook on an output that other outputs or self.aux are computed from runs before "
+          "the call's backward and sees only its direct gradient (.grad, autograd.grad and "
+          "backward(inputs=...) of it are the loop's since issue 30)",
+          lambda c: "hook:out" in constructs(c) and bool(
               {"output:tuple", "output:list", "output:aux", "output:internal_views"}
-              & constructs(c)), ("hooks", "retained"),
+              & constructs(c)), ("hooks",),
           witnesses=((0, 64), (0, 102), (0, 133))),
     Known("D7g-view-of-input-before-a-later-flip",
           "a call returns a view of its input and a later call calls requires_grad_() on "
