@@ -29,8 +29,10 @@ a site's execution mode                  DEBUG       ``moe_autograd.policy``
 
 Invariants:
 
-* Every logger is ``moe_autograd.<module>`` (the module's ``__name__``), so
-  ``logging.getLogger("moe_autograd")`` sets the level of all of them.
+* Every logger is ``moe_autograd.<module>`` (the module's ``__name__``; spelled
+  out in a module that also runs as a script, ``python -m ...``, where
+  ``__name__`` is ``__main__``), so ``logging.getLogger("moe_autograd")``
+  sets the level of all of them.
 * The library installs no handler (not even a ``NullHandler``): where the
   application configured none, Python's last-resort handler prints WARNING
   and above to stderr, so a masked failure is never silent by default;

@@ -156,7 +156,9 @@ def _secret(args: argparse.Namespace) -> JobSecret:
     return secret
 
 
-_logger = logging.getLogger(__name__)
+# By name, not __name__: run as ``python -m moe_autograd.remote.cli`` this
+# module is ``__main__``, a logger outside ``moe_autograd`` and its handler.
+_logger = logging.getLogger("moe_autograd.remote.cli")
 
 
 def _log(message: str) -> None:
