@@ -149,3 +149,36 @@ def test_compiled_experts_inside_parallel_apply() -> None:
 def test_compiled_model_with_inductor_matches_eager() -> None:
     pytest.importorskip("torch._inductor")
     check_compiled("parallel_apply", "inductor", steps=2)
+
+
+# -- compiled experts (issue 30 item 5) ------------------------------------------------------
+
+@pytest.mark.timeout(600)
+def test_inductor_experts_after_the_loops_backward() -> None:
+    """An expert compiled with inductor, whose backward was first compiled
+    by a loop's backward (without retain_graph: its buffers donated): every
+    mode runs it, as the loop does; retain_graph=True raises inductor's
+    own error, as in the loop. (Each call's backward kept its graph
+    before: 'compiled with non-empty donated buffers' in every mode.)"""
+    pytest.importorskip("torch._inductor")
+
+    @torch.compile(backend="inductor")
+    def expert(x: Tensor, w: Tensor) -> Tensor:
+        return torch.nn.functional.gelu(x @ w).tanh() @ w.t()
+
+    torch.manual_seed(0)
+    w = torch.randn(8, 8, requires_grad=True)
+    xs = [torch.randn(4, 8, requires_grad=True) for _ in range(2)]
+    expert(xs[0], w).sum().backward()  # the loop compiles the backward first
+    want = torch.autograd.grad(sum(expert(x, w).sum() for x in xs), [w, *xs])
+    for mode in ("lanes", "parallel"):
+        for checkpoint in (False, True):
+            outs = parallel_apply([expert, expert], [(x, w) for x in xs], mode=mode,
+                                  checkpoint=checkpoint)
+            got = torch.autograd.grad(sum(o.sum() for o in outs), [w, *xs])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (mode, checkpoint)
+    outs = parallel_apply([expert, expert], [(x, w) for x in xs], mode="parallel")
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        sum(o.sum() for o in outs).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="donated buffers"):
+        sum(expert(x, w).sum() for x in xs).backward(retain_graph=True)

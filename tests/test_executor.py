@@ -1,6 +1,8 @@
 """The worker pool: laziness, bound, naming, groups, helping, errors, nesting."""
 import json
+import os
 import random
+import signal
 import threading
 import time
 
@@ -224,6 +226,88 @@ def test_worker_survives_base_exception(fresh_pool):
     assert threads and all(t.is_alive() for t in threads)
     assert run_all([ok] * 6) == [1] * 6
     assert pool.threads == threads
+
+
+class _Interrupt(BaseException):
+    """A BaseException that is not an Exception (as KeyboardInterrupt)."""
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("lanes", [None, 2])
+def test_an_interruption_joins_the_batch_and_cancels_later_calls(fresh_pool, lanes):
+    """A call raising a BaseException that is not an Exception (issue 30
+    item 6), on whichever thread: the calls already running end before
+    the caller gets it (nothing runs on behind its back), later calls never
+    start, and the first error in call order wins (a ValueError of an
+    earlier call, as in the loop)."""
+    fresh_pool(4)
+    running = threading.Barrier(2, timeout=10)
+    finished = []
+
+    def slow_earlier():  # runs on a worker, still running when call 1 raises
+        running.wait()
+        time.sleep(0.2)
+        finished.append(0)
+        raise ValueError("earlier")
+
+    def interrupt():  # on the caller or a worker, whichever took it
+        running.wait()
+        raise _Interrupt()
+
+    started = []
+    with pytest.raises(ValueError, match="earlier") as info:
+        run_all([slow_earlier, interrupt] + [lambda: started.append(1)] * 3, lanes=lanes)
+    assert finished == [0]  # joined before the error reached the caller
+    assert info.value.__notes__ == ["call 0 of 5"]
+    if lanes == 2:
+        assert started == []  # later calls were pending: never started
+
+
+@pytest.mark.timeout(30)
+def test_an_interruption_alone_is_raised_after_the_running_calls_end(fresh_pool):
+    fresh_pool(2)
+    gate = threading.Event()
+    ended = []
+
+    def worker_call():
+        gate.wait(10)
+        ended.append(1)
+
+    def interrupt():
+        threading.Timer(0.2, gate.set).start()
+        raise _Interrupt()
+
+    group = get_pool().submit([worker_call, interrupt], lanes=2)
+    group.wait()
+    assert ended == [1] and group.all_done
+    assert isinstance(group.interrupted, _Interrupt)
+    with pytest.raises(_Interrupt):
+        group.raise_first_error()
+
+
+@pytest.mark.timeout(30)
+def test_a_caller_interrupted_while_it_waits_joins_first(fresh_pool):
+    """Ctrl-C while the caller sleeps in wait(): pending calls are
+    cancelled, running ones end, then the interruption leaves."""
+    fresh_pool(1)
+    inside = threading.Event()
+    ended = []
+
+    def running():
+        inside.set()
+        time.sleep(0.3)
+        ended.append(1)
+
+    group = get_pool().submit([running, lambda: ended.append(2)], lanes=2)
+    assert inside.wait(10)
+
+    # A real SIGINT (interrupt_main() only sets a flag that a blocked wait
+    # would read once woken).
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        group.wait(help=False)
+    assert ended == [1] and group.all_done
+    assert isinstance(group.errors[1], executor.CallCancelled)
 
 
 # -- concurrency -------------------------------------------------------------------------

@@ -380,6 +380,149 @@ def test_double_backward_raises_or_is_exact():
         g.sum().backward()
 
 
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("modules", ["modules", "functions"])
+def test_what_differentiates_the_gradients_raises_naming_the_batch(mode, checkpoint, modules):
+    """jvp (the double-backward trick: it differentiates the gradients with
+    respect to the incoming ones), hvp, vhp and hessian raise, where they
+    silently gave zeros (issue 30 item 3); jacobian and vjp equal the loop."""
+    from torch.autograd.functional import hessian, hvp, jacobian, jvp, vhp, vjp
+    experts = ([Expert(seed=0), Expert(seed=1)] if modules == "modules"
+               else [torch.tanh, lambda t: torch.sin(t) * t])
+    x, v = randn(3, 4, seed=0, requires_grad=False), randn(3, 4, seed=1, requires_grad=False)
+
+    def ours(t):
+        a, b = parallel_apply(experts, [t, t * 2], mode=mode, checkpoint=checkpoint)
+        return a + b
+
+    def loop(t):
+        return experts[0](t) + experts[1](t * 2)
+
+    for transform in (lambda f: jvp(f, x, v), lambda f: hvp(lambda t: f(t).sum(), x, v),
+                      lambda f: vhp(lambda t: f(t).sum(), x, v),
+                      lambda f: hessian(lambda t: f(t).sum(), x)):
+        with pytest.raises(RuntimeError, match="parallel_apply: trying to differentiate twice"):
+            transform(ours)
+    assert torch.equal(jacobian(ours, x), jacobian(loop, x))
+    assert all(torch.equal(a, b) for a, b in zip(vjp(ours, x, v), vjp(loop, x, v)))
+
+
+# -- shared stateful submodules ---------------------------------------------------------------
+
+class Counting(nn.Module):
+    """A module of its own class, state changed by its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = 0
+
+    def forward(self, x):
+        self.seen += 1
+        return x * self.seen
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel", "auto"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_stateful_submodule_shared_by_distinct_experts_updates_in_call_order(mode, checkpoint):
+    """One BatchNorm (buffers) and one module of a class of its own inside
+    several distinct experts: running statistics, attributes, outputs and
+    gradients are the loop's in every mode (issue 30 item 1)."""
+    def world():
+        torch.manual_seed(0)
+        bn, count = nn.BatchNorm1d(4).to(DT), Counting()
+        experts = [nn.Sequential(nn.Linear(4, 4).to(DT), bn, count, nn.Tanh()) for _ in range(4)]
+        return experts, bn, count, [randn(6, 4, seed=i) for i in range(4)]
+
+    def observe(experts, bn, count, outs, xs):
+        sum(o.sum() for o in outs).backward()
+        return ([o.detach() for o in outs] + [bn.running_mean, bn.running_var, xs[0].grad]
+                + [p.grad for e in experts for p in e.parameters()], count.seen)
+
+    experts, bn, count, xs = world()
+    want = observe(experts, bn, count, [e(x) for e, x in zip(experts, xs)], xs)
+    experts, bn, count, xs = world()
+    for _ in range(2 if mode == "auto" else 1):  # auto: the second batch in the site's mode
+        experts, bn, count, xs = world()
+        got = observe(experts, bn, count,
+                      parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint), xs)
+        assert got[1] == want[1]
+        assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
+
+
+@pytest.mark.timeout(60)
+def test_experts_sharing_only_modules_that_compute_still_overlap(fresh_pool):
+    """A torch.nn module without buffers or hooks (a tied Linear) orders
+    nothing: the calls still run concurrently."""
+    fresh_pool(4)
+    shared = nn.Linear(4, 4).to(DT)
+    barrier = threading.Barrier(3, timeout=20)
+
+    class Meets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.shared = shared
+
+        def forward(self, x):
+            barrier.wait()  # BrokenBarrierError unless the three calls overlap
+            return self.shared(x)
+
+    outs = parallel_apply([Meets(), Meets(), Meets()], [randn(2, 4, seed=i) for i in range(3)],
+                          mode="parallel")
+    sum(o.sum() for o in outs).backward()
+    assert shared.weight.grad is not None
+
+
+# -- interruptions ---------------------------------------------------------------------------
+
+class _Interrupt(BaseException):
+    pass
+
+
+class Raises(nn.Module):
+    def __init__(self, error=None, delay=0.0):
+        super().__init__()
+        self.error, self.delay, self.ran = error, delay, []
+
+    def forward(self, x):
+        time.sleep(self.delay)
+        self.ran.append(time.monotonic())
+        if self.error is not None:
+            raise self.error
+        return x * 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel", "auto"])
+@pytest.mark.parametrize("interrupt", [SystemExit(3), _Interrupt(), GeneratorExit()])
+def test_an_interruption_after_an_error_in_call_order_loses_to_it(mode, interrupt):
+    """ValueError in call 1, a BaseException in call 2: the loop raises the
+    ValueError; so does every mode, after every call it started ended
+    (issue 30 item 6: lanes raised the SystemExit, at once)."""
+    experts = [Raises(delay=0.05), Raises(ValueError("first")), Raises(interrupt),
+               Raises(delay=0.1)]
+    with pytest.raises(ValueError, match="first") as info:
+        parallel_apply(experts, [randn(2, 4, seed=i) for i in range(4)], mode=mode)
+    returned = time.monotonic()
+    assert "parallel_apply: call 1 of 4" in info.value.__notes__
+    assert experts[0].ran  # earlier calls ran, as in the loop
+    assert all(t <= returned for e in experts for t in e.ran)  # none after the error returned
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_an_interruption_is_raised_once_the_batch_has_stopped(mode):
+    experts = [Raises(delay=0.2), Raises(_Interrupt())] + [Raises(delay=0.05) for _ in range(4)]
+    with pytest.raises(_Interrupt):
+        parallel_apply(experts, [randn(2, 4, seed=i) for i in range(6)], mode=mode)
+    returned = time.monotonic()
+    assert experts[0].ran  # the call running beside it ended first
+    time.sleep(0.3)
+    assert all(t <= returned for e in experts for t in e.ran)
+    if mode == "lanes":  # later calls were still pending: never started
+        assert not any(e.ran for e in experts[2:])
+
+
 # -- concurrency -----------------------------------------------------------------------------
 
 

@@ -472,3 +472,52 @@ def test_straggler_that_answers_just_after_the_deadline_counts_as_timeout(releas
     assert torch.equal(y, torch.zeros_like(y))  # the late answer was discarded
     s = moe.stats()[0]
     assert (s["timeouts"], s["failures"]) == (1, 0), s
+
+
+# -- interruptions and transforms (issue 30) --------------------------------------------
+
+
+class _Interrupt(BaseException):
+    """Not an Exception, as KeyboardInterrupt and SystemExit."""
+
+
+class _InterruptInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        raise _Interrupt()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("deadline", [None, 5.0], ids=["no-deadline", "deadline"])
+def test_an_interruption_in_an_expert_is_never_masked(deadline):
+    """A BaseException that is not an Exception stops the layer, forward or
+    backward, as it stops a loop: never masked as a failed expert."""
+    moe = make_moe(num_experts=4, k=2, seed=1, forward_timeout=deadline,
+                   backward_timeout=deadline)
+    x = _x(24, F_IN, seed=2)
+    bad = active_experts(moe, x)[0]
+    expert = expert_of(moe, bad)
+    compute = expert.compute
+    expert.compute = lambda t: (_ for _ in ()).throw(_Interrupt())  # type: ignore[method-assign]
+    with pytest.raises(_Interrupt):
+        moe(x)
+    expert.compute = lambda t: _InterruptInBackward.apply(compute(t))  # type: ignore[method-assign]
+    y, _ = moe(x)
+    with pytest.raises(_Interrupt):
+        y.sum().backward()
+    assert moe.stats()[bad]["failures"] == 0  # not counted as a masked failure
+
+
+@pytest.mark.timeout(30)
+def test_jvp_through_the_layer_raises():
+    """torch.autograd.functional.jvp differentiates the layer's gradients
+    with respect to the incoming ones: an error, never zeros."""
+    from torch.autograd.functional import jvp
+    moe = make_moe(num_experts=4, k=2, seed=1)
+    x = _x(8, F_IN, seed=2, requires_grad=False)
+    with pytest.raises(RuntimeError, match="MixtureOfExperts: trying to differentiate twice"):
+        jvp(lambda t: moe(t)[0], x, torch.ones_like(x))
