@@ -601,8 +601,16 @@ class ModuleCall(IsolatedCall):
 
     def _follow(self, outer_outputs: Sequence[Tensor]) -> None:
         """The roots the call's graph consumes get their whole gradient
-        (see :mod:`moe_autograd.kept`)."""
-        if not self._consumed:
+        (see :mod:`moe_autograd.kept`); a root the expert called
+        ``retain_grad()`` on and that nothing in the call consumes: its outer
+        tensor retains its gradient (the node's gradient for it is the loop's
+        whole gradient)."""
+        consumed = set(self._consumed)
+        for at, inner in enumerate(self.outputs):
+            if (at not in consumed and inner.retains_grad
+                    and outer_outputs[at].requires_grad and not outer_outputs[at].is_leaf):
+                outer_outputs[at].retain_grad()
+        if not consumed:
             return
         kept = KeptTensors(self.name)
         layout = self._layout

@@ -188,3 +188,45 @@ def test_autograd_grad_of_an_unused_kept_tensor() -> None:
         return list(torch.autograd.grad(_loss(outs), [es[0].keep, xs[0]], allow_unused=True))
     got, want = _both("lanes", then)
     assert _equal(got, want)
+
+
+class RetainsWhatItReturns(nn.Module):
+    """retain_grad() inside the forward on what it returns, and on a tensor it
+    keeps but computes nothing further from (it returns its input then)."""
+
+    def __init__(self, returns_input: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.returns_input = returns_input
+        self.keep: Optional[Tensor] = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x) * 1.5
+        h.retain_grad()
+        self.keep = h
+        return x * 1 if self.returns_input else h
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_retain_grad_inside_the_forward_on_a_root_nothing_in_the_call_consumes(
+        side: str) -> None:
+    """The caller's output (or kept tensor) retains its gradient, as the
+    loop's does: not retains_grad False and .grad None (found by the oracle's
+    keep stage)."""
+    def run(runtime: bool) -> List[Any]:
+        torch.manual_seed(0)
+        experts = [RetainsWhatItReturns(False), RetainsWhatItReturns(True)]
+        xs = [torch.randn(3, 4, requires_grad=True) for _ in experts]
+        if runtime:
+            outs = parallel_apply(experts, xs, mode="parallel" if side == "checkpoint" else side,
+                                  checkpoint=side == "checkpoint")
+        else:
+            outs = [e(x) for e, x in zip(experts, xs)]
+        kept = experts[1].keep
+        assert kept is not None
+        (outs[0].pow(2).sum() + outs[1].sum() + kept.sum() * 0.75).backward()
+        return [outs[0].retains_grad, outs[0].grad, kept.retains_grad, kept.grad,
+                experts[1].a.weight.grad]
+    got, want = run(True), run(False)
+    assert got[0] and got[2] and got[1] is not None and got[3] is not None
+    assert _equal([got[1], got[3], got[4]], [want[1], want[3], want[4]])

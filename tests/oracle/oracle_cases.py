@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import FrozenSet, List, Optional, Sequence, Tuple, Union
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
-from oracle_experts import OUTPUTS, RANDOM_STAGES, STATEFUL_STAGES
+from oracle_experts import (OUTPUTS, RANDOM_STAGES, SHARED_STAGES, STATEFUL_STAGES,
+                            compile_backends)
 from oracle_functions import FUNCTIONS, RANDOM_FUNCTIONS
 
 MODES = ("inline", "lanes", "parallel", "auto")
@@ -85,6 +86,27 @@ class Case:
     #: A ``map_with_parallel_backward`` case: the name of its Function (see
     #: ``oracle_functions``); the calls' stages are empty then.
     function: Optional[str] = None
+    # -- issue 30's constructs (drawn by ``_issue30``, from a stream of their own) --
+    #: ``(stage, position)``: one stateful stage module object (``bn``,
+    #: ``counter``) in the stages of every distinct expert, at ``position``
+    #: (0: first, -1: last).
+    shared_stage: Optional[Tuple[str, int]] = None
+    #: The caller adds what the experts kept (``self.keep``, stage ``keep``)
+    #: to the loss.
+    keep_in_loss: bool = False
+    #: ``"with_inputs"``: ``autograd.grad`` / ``backward(inputs=...)`` also
+    #: names the kept tensors; ``"alone"``: names only them.
+    keep_named: Optional[str] = None
+    #: ``torch.autograd.functional.jacobian`` / ``jvp`` / ``hvp`` of a function
+    #: of call 0's input that runs the whole batch, instead of the backward.
+    transform: Optional[str] = None
+    #: The caller's ``torch.set_num_threads`` around each iteration.
+    threads: Optional[int] = None
+    #: ``(call, exception, other)``: before the first iteration, a batch in
+    #: which call ``call``'s expert raises ``exception`` (a BaseException that
+    #: is not an Exception) in forward, and call ``other``'s (if any) a
+    #: ValueError.
+    interrupt: Optional[Tuple[int, str, Optional[int]]] = None
 
     @property
     def n(self) -> int:
@@ -123,6 +145,9 @@ class Case:
                      f"retain_grad={self.retain_grad} grad_method={self.grad_method} "
                      f"second_backward={self.second_backward} optimizer={self.optimizer} "
                      f"raise_at={self.raise_at}")
+        lines.append(f"  issue 30: shared_stage={self.shared_stage} keep_in_loss={self.keep_in_loss} "
+                     f"keep_named={self.keep_named} transform={self.transform} "
+                     f"threads={self.threads} interrupt={self.interrupt}")
         return "\n".join(lines)
 
 
@@ -214,7 +239,7 @@ def generate(seed: int, index: int) -> Case:
     iterations = 1
     if backward and rng.random() < 0.3 or mode == "auto" and rng.random() < 0.5:
         iterations = rng.choice((2, 2, 3))
-    return Case(
+    case = Case(
         seed=seed, index=index, calls=tuple(calls), mode=mode, checkpoint=checkpoint,
         dtype=dtype, grad_mode=grad_mode, frame=frame, pre_autocast_use=pre_autocast_use,
         tied=n >= 2 and rng.random() < 0.1,
@@ -225,6 +250,95 @@ def generate(seed: int, index: int) -> Case:
         second_backward=backward and grad_method == "backward" and rng.random() < 0.1,
         optimizer=optimizer, iterations=iterations, raise_at=raise_at, function=function,
     )
+    return _issue30(case, random.Random(f"{seed}:{index}:issue30"))
+
+
+#: The compile backends a case may draw, and how often (inductor compiles
+#: for seconds: rare).
+_BACKEND_WEIGHTS = {"eager": 10, "aot_eager": 10, "inductor": 10}
+
+
+def _issue30(case: Case, rng: random.Random) -> Case:
+    """Issue 30's constructs, drawn from their own stream ``rng`` so that the
+    rest of every case (and every known divergence's witness) stays as it was:
+    a stateful stage shared by distinct experts, tensors kept from inside a
+    call, functional transforms, the caller's thread count, compiled stages,
+    BaseExceptions, and (issue 34) plain-attribute state the forward reads
+    back."""
+    if case.function is not None:
+        return case
+    calls = list(case.calls)
+    changes: Dict[str, object] = {}
+
+    def add(i: int, stage: str, at: Optional[int] = None) -> None:
+        """``stage`` in call ``i``'s expert (and so in every call sharing it)."""
+        i = calls[i].share_with if calls[i].share_with is not None else i
+        stages = list(calls[i].stages)
+        if stage in stages:
+            return
+        pos = rng.randrange(len(stages) + 1) if at is None else (len(stages) if at < 0 else at)
+        stages.insert(pos, stage)
+        for k, c in enumerate(calls):
+            if k == i or c.share_with == i:
+                calls[k] = dataclasses.replace(c, stages=tuple(stages))
+
+    roots = [i for i, c in enumerate(calls) if c.share_with is None]
+    backward = case.grad_mode == "grad"
+    # 1. one stateful stage module in several distinct experts
+    if len(roots) >= 2 and rng.random() < 0.08:
+        changes["shared_stage"] = (rng.choice(SHARED_STAGES), rng.choice((0, -1)))
+    # 2. tensors kept from inside a call
+    if rng.random() < 0.12:
+        for i in rng.sample(roots, rng.randint(1, len(roots))):
+            add(i, rng.choice(("keep", "keep", "keep_plain")))
+        changes["keep_in_loss"] = backward and rng.random() < 0.5
+        if backward and case.grad_method != "backward" and rng.random() < 0.9:
+            changes["keep_named"] = rng.choice(("with_inputs", "with_inputs", "alone"))
+    # 3. functional transforms over the whole batch
+    if (backward and case.frame == "none" and case.raise_at is None and rng.random() < 0.08
+            and not any({"input_inplace", "ckpt_reentrant"} & set(c.stages) for c in calls)):
+        changes.update(transform=rng.choice(("jacobian", "jacobian", "jvp", "hvp")),
+                       grad_method="backward", second_backward=False, hooks=(),
+                       retain_grad=False, keep_named=None)
+    # 4. the caller's thread count
+    threads = rng.random()
+    if threads < 0.06:
+        for i in rng.sample(roots, rng.randint(1, len(roots))):
+            add(i, "threads")
+        if threads < 0.045:
+            changes["threads"] = 1
+    # 5. compiled stages, each backend
+    if rng.random() < 0.05:
+        backends = [b for b in compile_backends()
+                    if b != "inductor" or (case.dtype == "float32" and case.frame == "none"
+                                           and backward)]
+        backend = rng.choices(backends, weights=[_BACKEND_WEIGHTS[b] for b in backends])[0]
+        for i in rng.sample(roots, rng.randint(1, len(roots))):
+            add(i, f"compiled_{backend}")
+    # 6. BaseExceptions in forward (not with the other raise construct)
+    if case.n >= 2 and case.raise_at is None and rng.random() < 0.04:
+        k = rng.randrange(case.n)
+        root_k = calls[k].share_with if calls[k].share_with is not None else k
+        others = [j for j in range(case.n)
+                  if (calls[j].share_with if calls[j].share_with is not None else j) != root_k]
+        other = rng.choice(others) if others and rng.random() < 0.5 else None
+        changes["interrupt"] = (k, rng.choice(("Interrupt", "SystemExit")), other)
+        add(k, "interrupt")
+        if other is not None:
+            add(other, "interrupt")
+        for i in roots:
+            add(i, "mark", -1)
+    # 7. plain-attribute state the forward reads back (issue 34)
+    if rng.random() < 0.06:
+        for i in rng.sample(roots, rng.randint(1, len(roots))):
+            add(i, "step")
+    if calls == list(case.calls) and not changes:
+        return case
+    # The runtime refuses these outputs in forward (a clear error, the
+    # contract): the constructs above would never be reached.
+    calls = [dataclasses.replace(c, output="tensor") if c.output in ("dataclass", "namespace")
+             else c for c in calls]
+    return dataclasses.replace(case, calls=tuple(calls), **changes)  # type: ignore[arg-type]
 
 
 def constructs(case: Case) -> FrozenSet[str]:
@@ -259,6 +373,23 @@ def constructs(case: Case) -> FrozenSet[str]:
             names.add(name)
     if case.raise_at is not None:
         names.add(f"raise:{case.raise_at[1]}")
+    # issue 30
+    if case.shared_stage is not None:
+        names.add(f"shared_stage:{case.shared_stage[0]}")
+    if case.keep_in_loss:
+        names.add("keep:in_loss")
+    if case.keep_named is not None:
+        names.add(f"keep:named_{case.keep_named}")
+        names.add(f"keep:named_{case.keep_named}+{case.grad_method}")
+    if case.transform is not None:
+        names.add(f"transform:{case.transform}")
+    if case.threads is not None:
+        names.add(f"threads:{case.threads}")
+    if case.interrupt is not None:
+        names.add(f"interrupt:{case.interrupt[1]}")
+        if case.interrupt[2] is not None:
+            names.add("interrupt+value_error:" + (
+                "earlier" if case.interrupt[2] < case.interrupt[0] else "later"))
     if case.grad_mode == "grad" and any(flags):
         if "post:in_add_" in names:
             names.add("checkpoint+post:in_add_")

@@ -15,6 +15,7 @@ Replay a failure with the command its message prints
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -309,6 +310,169 @@ class UseInt(Stage):
         return h
 
 
+class Step(Stage):
+    """Plain-attribute state the forward reads back (``self.step += 1``, a
+    Python int, not a buffer): a recomputation must start from its value at
+    the start of the forward, and a shared module must see calls in order
+    (issue 34)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step = 0
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        self.step += 1
+        return h * (1 + 0.125 * (self.step % 5))
+
+
+class Keep(Stage):
+    """Keeps an intermediate in a plain attribute (``self.keep = h``) that the
+    call computes further from, with ``h.retain_grad()`` inside the forward
+    when ``retain``: the caller reads ``expert.keep`` (and its ``.grad``)."""
+
+    def __init__(self, retain: bool) -> None:
+        super().__init__()
+        self.retain = retain
+        self.keep: Optional[Tensor] = None
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        h = h * 1.5
+        self.keep = h
+        if self.retain and h.requires_grad:
+            h.retain_grad()
+        return torch.tanh(h)
+
+
+class _ThreadsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor, stage: "Threads") -> Tensor:  # type: ignore[override]
+        ctx.stage = stage
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
+        if ctx.stage.record_backward:
+            ctx.stage.threads_seen.append(("backward", torch.get_num_threads()))
+        return grad, None
+
+
+class Threads(Stage):
+    """Records the intra-op thread count (``torch.get_num_threads()``) its
+    forward and (``record_backward``) its backward see (``threads_seen``, compared as a multiset):
+    the caller's ``torch.set_num_threads`` must reach the expert."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads_seen: List[Tuple[str, int]] = []
+        #: Set by the harness where the loop's backward runs every call's
+        #: whole backward (``backward(inputs=...)`` prunes the loop's, not the
+        #: runtime's: D9).
+        self.record_backward = False
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if not is_recomputing():
+            self.threads_seen.append(("forward", torch.get_num_threads()))
+        return _ThreadsInBackward.apply(h, self) if h.requires_grad else h
+
+
+class Mark(Stage):
+    """Counts the forwards that reached it (``calls_seen``); ``slow`` (set by
+    the harness for the interrupted batch only) makes each take a while first,
+    so that a call still running when the batch's error reaches the caller
+    shows up in a later count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls_seen = 0
+        self.slow = False
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.slow:
+            time.sleep(0.02)
+        self.calls_seen += 1
+        return h
+
+
+class Interrupt(BaseException):
+    """A ``BaseException`` that is not an ``Exception`` (as ``KeyboardInterrupt``,
+    which pytest treats specially)."""
+
+
+#: The exceptions the oracle's interrupt construct raises, by name.
+INTERRUPTS: Dict[str, type] = {"Interrupt": Interrupt, "SystemExit": SystemExit,
+                               "ValueError": ValueError}
+
+
+class RaiseAny(Stage):
+    """Raises ``armed`` (an exception class, set by the harness) in forward."""
+
+    MESSAGE = "oracle expert interrupted on purpose"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed: Optional[type] = None
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.armed is not None:
+            raise self.armed(self.MESSAGE)
+        return h
+
+
+def _compiled_eager(h: Tensor, w: Tensor) -> Tensor:
+    return torch.tanh(h @ w) * 2 + h
+
+
+def _compiled_aot_eager(h: Tensor, w: Tensor) -> Tensor:
+    return torch.tanh(h @ w) * 2 + h
+
+
+def _compiled_inductor(h: Tensor, w: Tensor) -> Tensor:
+    return torch.tanh(h @ w) * 2 + h
+
+
+#: One plain function per backend (dynamo caches per code object), compiled
+#: on first use (importing dynamo and inductor costs seconds).
+_TO_COMPILE = {"eager": _compiled_eager, "aot_eager": _compiled_aot_eager,
+               "inductor": _compiled_inductor}
+_COMPILED: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
+
+
+def compiled(backend: str) -> Callable[[Tensor, Tensor], Tensor]:
+    if backend not in _COMPILED:
+        _COMPILED[backend] = torch.compile(_TO_COMPILE[backend], backend=backend,
+                                           dynamic=False)
+    return _COMPILED[backend]
+
+
+def compile_backends() -> Tuple[str, ...]:
+    """The backends the oracle compiles with: eager and aot_eager, and
+    inductor where it can be imported."""
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception:  # noqa: BLE001 - not installed / not usable here
+        return ("eager", "aot_eager")
+    return ("eager", "aot_eager", "inductor")
+
+
+class Compiled(Stage):
+    """A module-level function compiled with ``torch.compile(backend=...)``,
+    of the hidden tensor and the stage's weight."""
+
+    def __init__(self, backend: str) -> None:
+        super().__init__()
+        self.backend = backend
+        self.w = nn.Parameter(torch.randn(WIDTH, WIDTH) * 0.5)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        import torch._dynamo.config as dynamo_config
+        # dynamo's limits are per thread (context variables): raised here, on
+        # whichever thread the call runs, so that no variant (dtype, grad
+        # mode, the runtime's dispatch keys...) runs eager past the limit on
+        # one side and compiled on the other
+        with dynamo_config.patch(recompile_limit=256, accumulated_recompile_limit=4096):
+            return compiled(self.backend)(h, self.w.to(h.dtype))
+
+
 def _spectral(fc: nn.Linear) -> nn.Module:
     return parametrizations.spectral_norm(fc)
 
@@ -344,12 +508,25 @@ STAGES: Dict[str, Callable[[], Stage]] = {
     "raise_forward": RaiseForward,
     "raise_backward": RaiseBackward,
     "use_int": UseInt,
+    # issue 30's constructs (drawn by oracle_cases._issue30)
+    "step": Step,
+    "keep": lambda: Keep(retain=True),
+    "keep_plain": lambda: Keep(retain=False),
+    "threads": Threads,
+    "mark": Mark,
+    "interrupt": RaiseAny,
+    "compiled_eager": lambda: Compiled("eager"),
+    "compiled_aot_eager": lambda: Compiled("aot_eager"),
+    "compiled_inductor": lambda: Compiled("inductor"),
 }
 
 #: Stages that draw random numbers.
 RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli", "ckpt_nonreentrant"})
 #: Stages with buffers or tensor attributes updated in forward.
-STATEFUL_STAGES = frozenset({"bn", "counter", "spectral_norm"})
+STATEFUL_STAGES = frozenset({"bn", "counter", "spectral_norm", "keep", "keep_plain", "threads",
+                             "mark", "step"})
+#: Stages a case may share between distinct experts (one module object).
+SHARED_STAGES = ("bn", "counter", "step")
 
 OUTPUTS = ("tensor", "tuple", "list", "dict", "nontensor", "int_out", "identity", "input_pass",
            "input_view", "twice", "own_param", "internal_views", "aux", "dataclass",

@@ -27,6 +27,8 @@ import copy
 import dataclasses
 import functools
 import re
+import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -38,13 +40,25 @@ from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.rng import CallRng
 
 from oracle_cases import Case
-from oracle_experts import (ROWS, VOCAB, WIDTH, Expert, InnerCheckpoint, InputInPlace, Nested,
-                            RaiseBackward, RaiseForward, structure, tensor_leaves)
+from oracle_experts import (INTERRUPTS, ROWS, STAGES, VOCAB, WIDTH, Expert,
+                            InnerCheckpoint, InputInPlace, Interrupt, Keep, Mark, Nested,
+                            RaiseAny, RaiseBackward, RaiseForward, Threads, structure,
+                            tensor_leaves)
 from oracle_functions import FUNCTIONS
 
 RUNTIME, LOOP = "runtime", "loop"
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 _CALL_NAMED = re.compile(r"call \d+ of \d+")
+#: The node's refusal to be differentiated twice (``torch.autograd.functional.jvp``,
+#: ``hvp``: double backward through the batch's gradients): it names the batch
+#: (``parallel_apply: ...``), not a call, and is the contract there.
+_DOUBLE_BACKWARD = re.compile(
+    r"trying to differentiate twice a function that was marked with @once_differentiable: "
+    r"the gradients of a parallel call")
+#: What the harness records as a step's error: every Exception, and the
+#: BaseExceptions the oracle's experts raise (never KeyboardInterrupt, nor
+#: pytest's own outcomes, such as a timeout's failure).
+_RECORDED = (Exception, Interrupt, SystemExit)
 
 
 # -- fingerprints ------------------------------------------------------------------------
@@ -103,12 +117,15 @@ class Raised:
 
     @property
     def names_call(self) -> bool:
-        return bool(_CALL_NAMED.search(self.text))
+        """A clear error: it names the call, or is the node's refusal of a
+        double backward (naming the batch)."""
+        return bool(_CALL_NAMED.search(self.text) or _DOUBLE_BACKWARD.search(self.text))
 
     @property
     def runtime_own(self) -> bool:
         """The runtime's own error (its message, not a note, names the call)."""
-        return bool(_CALL_NAMED.search(self.text.split(" | ", 1)[0]))
+        first = self.text.split(" | ", 1)[0]
+        return bool(_CALL_NAMED.search(first) or _DOUBLE_BACKWARD.search(first))
 
     def __eq__(self, other: object) -> bool:  # the comparator looks at the details
         return isinstance(other, Raised) and self.type_name == other.type_name
@@ -228,6 +245,15 @@ def build(case: Case, side: str) -> World:
         expert = Expert(spec.stages, spec.output).to(dtype)
         modules.append(expert)
         unique.append(expert)
+    if case.shared_stage is not None:
+        # one stateful stage module object in every distinct expert
+        name, position = case.shared_stage
+        shared = STAGES[name]().to(dtype)
+        for expert in unique:
+            if position < 0:
+                expert.stages.append(shared)
+            else:
+                expert.stages.insert(position, shared)
     if case.tied:
         first: Any = unique[0]
         for other in unique[1:]:
@@ -249,6 +275,8 @@ def build(case: Case, side: str) -> World:
                     side != RUNTIME and not stage.reentrant and "in_add_" not in case.post_ops
                     and not any({"requires_grad_", "input_inplace"} & set(other.stages)
                                 for other in case.calls))
+            if isinstance(stage, Threads):
+                stage.record_backward = case.grad_method == "backward" and case.transform is None
             if isinstance(stage, InputInPlace):  # where the loop can do it
                 stage.active = all(s.x_kind != "leaf_rg" for j, s in enumerate(case.calls)
                                    if modules[j] is m)
@@ -313,11 +341,28 @@ def module_state(world: World) -> Dict[str, Any]:
                 state[f"{name}.{attr}"] = fp(value)
             elif attr in ("aux", "last") and value is None:
                 state[f"{name}.{attr}"] = None
-            elif attr == "calls_seen":
+            elif attr in ("calls_seen", "step"):
                 state[f"{name}.{attr}"] = value
-            elif attr == "seen":
+            elif attr in ("seen", "threads_seen"):
                 state[f"{name}.{attr}"] = sorted(map(repr, value))
     return state
+
+
+def kept(world: World) -> List[Tuple[str, Tensor]]:
+    """The tensors the experts kept (``self.keep``, stage ``keep``) that require grad."""
+    return [(f"{name}.keep", m.keep) for name, m in world.unique.named_modules()
+            if isinstance(m, Keep) and isinstance(m.keep, Tensor) and m.keep.requires_grad]
+
+
+def kept_grads(world: World) -> Dict[str, Any]:
+    """Whether each kept tensor retains its gradient, and its ``.grad``
+    (filled by retain_grad() or backward(inputs=...); reading it where it is
+    not a leaf and does not retain warns)."""
+    def read(t: Tensor) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return (t.retains_grad, fp(t.grad))
+    return {name: _safe(lambda t=t: read(t)) for name, t in kept(world)}
 
 
 def grads(world: World) -> Dict[str, Any]:
@@ -420,7 +465,9 @@ def _forward(world: World, case: Case) -> Tuple[List[Any], Optional[Tensor]]:
     return results, pre
 
 
-def _loss(world: World, results: Sequence[Any], pre: Optional[Tensor]) -> Optional[Tensor]:
+def _terms(world: World, results: Sequence[Any], pre: Optional[Tensor]) -> List[Tensor]:
+    """The loss's terms: each output's weighted sum, ``self.aux``, what the
+    experts kept (where the caller uses it), the caller's own autocast use."""
     terms: List[Tensor] = []
     for r in results:
         for t in tensor_leaves(r):
@@ -430,8 +477,15 @@ def _loss(world: World, results: Sequence[Any], pre: Optional[Tensor]) -> Option
     for m in world.unique:
         if isinstance(m.aux, Tensor) and m.aux.requires_grad:
             terms.append(m.aux.double())
+    if world.case.keep_in_loss:
+        terms.extend((t.double() * 0.75).sum() for _, t in kept(world))
     if pre is not None and pre.requires_grad:
         terms.append(pre.double().sum())
+    return terms
+
+
+def _loss(world: World, results: Sequence[Any], pre: Optional[Tensor]) -> Optional[Tensor]:
+    terms = _terms(world, results, pre)
     if not terms:
         return None
     total = terms[0]
@@ -449,7 +503,7 @@ def _step(log: Log, key: str, fn: Callable[[], Any], fatal: bool = True) -> Any:
         value = fn()
     except _Stop:
         raise
-    except Exception as error:  # noqa: BLE001 - recorded and compared
+    except _RECORDED as error:  # noqa: BLE001 - recorded and compared
         log.add(key, raised(error))
         if fatal:
             raise _Stop from error
@@ -476,8 +530,10 @@ def _register_hooks(world: World, log: Log) -> None:
 
 def _save(world: World) -> Tuple[Any, ...]:
     """Everything a failed iteration may have touched, to restore it."""
-    attrs = {(name, a): copy.copy(v) for name, m in world.unique.named_modules()
-             for a, v in vars(m).items() if a in ("aux", "last", "calls_seen", "seen")}
+    attrs = {(name, a): v if a == "keep" else copy.copy(v)
+             for name, m in world.unique.named_modules()
+             for a, v in vars(m).items()
+             if a in ("aux", "last", "calls_seen", "seen", "keep", "threads_seen", "step")}
     grads_now = [(p, None if p.grad is None else p.grad.clone()) for p in world.unique.parameters()]
     leaf_grads = [(t, None if t.grad is None else t.grad.clone()) for _, t in world.leaves]
     inputs = [(t, t.detach().clone(), t.requires_grad) for a in world.args for t in a
@@ -562,6 +618,14 @@ def _iteration(world: World, log: Log, it: int) -> None:
         log.add(f"{tag}.post.versions", _delta(versions(world, results), after_forward))
     if not case.backward:
         return
+    if case.transform is not None:
+        _transform(world, log, tag)
+        log.add(f"{tag}.grads", grads(world))
+        log.add(f"{tag}.state.after_transform", module_state(world))
+        if world.optimizer is not None:
+            _step(log, f"{tag}.step", world.optimizer.step)
+            log.add(f"{tag}.after_step", module_state(world))
+        return
     loss = _step(log, f"{tag}.loss", lambda: _loss(world, results, pre))
     log.add(f"{tag}.loss.value", fp(loss))
     if loss is None:
@@ -569,6 +633,8 @@ def _iteration(world: World, log: Log, it: int) -> None:
     saved = _save(world) if case.raise_at is not None and it == 0 else None
     _backward(world, log, tag, loss, saved)
     log.add(f"{tag}.grads", grads(world))
+    if any(isinstance(m, Keep) for m in world.unique.modules()):
+        log.add(f"{tag}.kept_grads", kept_grads(world))
     if case.retain_grad:
         log.add(f"{tag}.retained", [
             _safe(lambda t=t: fp(t.grad) if t.requires_grad and not t.is_leaf else None)
@@ -595,9 +661,12 @@ def _post_op(world: World, results: Sequence[Any], op: str) -> None:
 def _backward(world: World, log: Log, tag: str, loss: Tensor,
               saved: Optional[Tuple[Any, ...]]) -> None:
     case = world.case
+    named = kept(world) if case.keep_named is not None else []
     if case.grad_method == "autograd_grad":
         targets = [(n, t) for n, t in world.leaves if t.requires_grad]
         targets += [(f"p:{n}", p) for n, p in world.unique.named_parameters() if p.requires_grad]
+        if named:
+            targets = named if case.keep_named == "alone" else targets + named
         got = _step(log, f"{tag}.autograd_grad", lambda: torch.autograd.grad(
             loss, [t for _, t in targets], allow_unused=True))
         log.add(f"{tag}.autograd_grad.values", {n: fp(g) for (n, _), g in zip(targets, got)})
@@ -605,6 +674,9 @@ def _backward(world: World, log: Log, tag: str, loss: Tensor,
     if case.grad_method == "backward_inputs":
         chosen: List[Tensor] = [p for p in world.unique[0].parameters() if p.requires_grad]
         chosen += [t for _, t in world.leaves[:1] if t.requires_grad]
+        if named:
+            chosen = [t for _, t in named] if case.keep_named == "alone" else chosen + [
+                t for _, t in named]
         if not chosen:
             return
         _step(log, f"{tag}.backward", lambda: loss.backward(inputs=chosen))
@@ -613,8 +685,58 @@ def _backward(world: World, log: Log, tag: str, loss: Tensor,
           lambda: loss.backward(retain_graph=case.second_backward))
 
 
+def _transform(world: World, log: Log, tag: str) -> None:
+    """``torch.autograd.functional.jacobian`` (of the loss's terms), ``jvp`` or
+    ``hvp`` (of the loss) as functions of call 0's input, each evaluation
+    running the whole batch (call 0's input replaced wherever a call gets it)."""
+    case = world.case
+    x0 = world.args[0][0]
+
+    def terms(x: Tensor) -> List[Tensor]:
+        args = [tuple(x if t is x0 else t for t in a) for a in world.args]
+        results = world.run_batch(world.modules, args, world.kwargs)
+        return _terms(world, results, None)
+
+    def vector(x: Tensor) -> Tensor:
+        found = terms(x)
+        return torch.stack(found) if found else torch.zeros(1, dtype=torch.float64)
+
+    def scalar(x: Tensor) -> Tensor:
+        found = terms(x)
+        return torch.stack(found).sum() if found else torch.zeros((), dtype=torch.float64)
+
+    x = x0.detach().clone()
+    v = (torch.arange(x.numel()) % 3 * 0.5 - 0.25).reshape(x.shape).to(x.dtype)
+    functional = torch.autograd.functional
+    if case.transform == "jacobian":
+        got = _step(log, f"{tag}.transform", lambda: (functional.jacobian(vector, x),))
+    elif case.transform == "jvp":
+        got = _step(log, f"{tag}.transform", lambda: functional.jvp(scalar, x, v))
+    else:
+        got = _step(log, f"{tag}.transform", lambda: functional.hvp(scalar, x, v))
+    log.add(f"{tag}.transform.values", [fp(t) for t in got])
+
+
+@contextlib.contextmanager
+def _caller_settings(case: Case) -> Any:
+    """The caller's intra-op thread count (``threads``), restored after."""
+    saved_threads = torch.get_num_threads()
+    if case.threads is not None:
+        torch.set_num_threads(case.threads)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != saved_threads:
+            torch.set_num_threads(saved_threads)
+
+
 def execute(case: Case, side: str) -> Log:
     """Runs ``case`` on ``side`` and returns what it observed."""
+    with _caller_settings(case):
+        return _execute(case, side)
+
+
+def _execute(case: Case, side: str) -> Log:
     log = Log(side)
     world = build(case, side)
     torch.manual_seed(case.seed + 1)  # the same global RNG state on both sides
@@ -626,6 +748,8 @@ def execute(case: Case, side: str) -> Log:
                 world.optimizer.zero_grad()
             if case.raise_at is not None and it == 0:
                 _failing_iteration(world, log)
+            if case.interrupt is not None and it == 0:
+                _interrupted_iteration(world, log)
             _iteration(world, log, it)
     except _Stop:
         # Which hooks fired before a step that raised on both sides depends
@@ -689,6 +813,70 @@ def _failing_iteration(world: World, log: Log) -> None:
             loop_changed = _LOOP_PARTIAL.pop((case.seed, case.index), set())
             log.add("fail.partial_grads_within_loop", changed <= loop_changed)
     log.hooks.clear()  # the loop's hooks may fire before the failure, the runtime's not
+    _restore(world, saved)
+
+
+def _marks(world: World) -> Dict[str, int]:
+    return {name: m.calls_seen for name, m in world.unique.named_modules()
+            if isinstance(m, Mark)}
+
+
+#: How long the runtime side waits after an interrupted batch raised before
+#: it counts again which forwards ran (the loop's calls cannot run on).
+JOIN_S = 0.15
+
+
+def _interrupted_iteration(world: World, log: Log) -> None:
+    """A batch (forward) in which one expert raises a BaseException that is
+    not an Exception (``Interrupt``, ``SystemExit``), and maybe another a
+    ValueError: both sides must raise the first in call order; every call
+    before it must have run; no call may still run once the error reached
+    the caller (each expert's ``mark`` stage counts its forwards: counted
+    right away and again ``JOIN_S`` later). State is then restored as after
+    any failed batch."""
+    case = world.case
+    assert case.interrupt is not None
+    call, name, other = case.interrupt
+    saved = _save(world)
+
+    def raiser(i: int) -> RaiseAny:
+        return next(m for m in world.modules[i].modules() if isinstance(m, RaiseAny))
+    raiser(call).armed = INTERRUPTS[name]
+    if other is not None:
+        raiser(other).armed = ValueError
+    armed = {id(m) for m in world.unique.modules() if isinstance(m, RaiseAny) and m.armed}
+    first = next(i for i, m in enumerate(world.modules)
+                 if any(id(s) in armed for s in m.modules()))
+    marks = {id(m): m for m in world.unique.modules() if isinstance(m, Mark)}
+    for m in marks.values():
+        m.slow = True
+    try:
+        with _grad_context(case):
+            _forward(world, case)
+        outcome: Any = OK
+    except _RECORDED as error:  # noqa: BLE001 - recorded and compared
+        outcome = raised(error)
+    finally:
+        for m in world.unique.modules():
+            if isinstance(m, RaiseAny):
+                m.armed = None
+    right_after = _marks(world)
+    counted = {k: m.calls_seen for k, m in marks.items()}
+    if log.side == RUNTIME:
+        time.sleep(JOIN_S)
+    later = _marks(world)
+    for m in marks.values():
+        m.slow = False
+    log.add("interrupt.outcome", outcome)
+    log.add("interrupt.ran_after_the_error", {k: later[k] - v for k, v in right_after.items()})
+    # every call before the first raising one ran (its module's mark counted it)
+    before: Dict[int, int] = {}
+    for m in world.modules[:first]:
+        mark = next(s for s in m.modules() if isinstance(s, Mark))
+        before[id(mark)] = before.get(id(mark), 0) + 1
+    log.add("interrupt.earlier_calls_ran",
+            all(counted[k] >= n for k, n in before.items()))
+    log.hooks.clear()
     _restore(world, saved)
 
 

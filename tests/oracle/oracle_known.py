@@ -52,6 +52,16 @@ RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
     # "the expert called requires_grad_() on an input that call j of n also
     # receives ..." (was D7a).
     "requires_grad_+later_same_input",
+    # torch.autograd.functional.jvp / hvp over a batch: they differentiate the
+    # batch's gradients (double backward), which the node refuses: "parallel_apply:
+    # trying to differentiate twice ..." (names the batch; issue 30 item 4).
+    "transform:jvp",
+    "transform:hvp",
+    # autograd.grad / backward(inputs=...) naming only tensors an expert kept
+    # and computes further from: the call's own backward does not run, so their
+    # part through the call's outputs is missing: "call i of n: the gradient of
+    # the tensor the expert kept in 'keep' ..." (moe_autograd.kept).
+    "keep:named_alone",
 })
 
 
@@ -106,6 +116,20 @@ KNOWN_DIVERGENCES: List[Known] = [
               {"output:tuple", "output:list", "output:aux", "output:internal_views"}
               & constructs(c)), ("hooks",),
           witnesses=((0, 64), (0, 102), (0, 133))),
+    Known("D5b-autograd-grad-of-kept-tensor-direct-part-only",
+          "torch.autograd.grad naming a tensor an expert kept and computes further from "
+          "(self.keep = h), together with the call's inputs or parameters: it captures that "
+          "tensor's gradient before the node runs and returns its direct part only (the "
+          "caller's use), not the part through the call's outputs (README's semantics "
+          "table; .grad and backward(inputs=...) are the loop's)",
+          lambda c: c.grad_method == "autograd_grad" and c.keep_named == "with_inputs"
+          and c.keep_in_loss, ("autograd_grad.values",)),
+    Known("D5c-autograd-grad-of-unused-kept-tensor-none",
+          "a kept tensor the loss does not use, asked for with torch.autograd.grad("
+          "allow_unused=True): an output of the node that no pass reaches, so None where "
+          "the loop's is its gradient through the call's outputs",
+          lambda c: c.grad_method == "autograd_grad" and c.keep_named is not None
+          and not c.keep_in_loss, ("autograd_grad.values",)),
     Known("D7g-view-of-input-before-a-later-flip",
           "a call returns a view of its input and a later call calls requires_grad_() on "
           "that input: the loop's view was made before the flip (a leaf view, no grad_fn); "
@@ -154,10 +178,10 @@ KNOWN_DIVERGENCES: List[Known] = [
           "hooks fire and grads are retained on outputs the loop never reaches, errors of "
           "unneeded parts are raised",
           lambda c: c.grad_method in ("backward_inputs", "autograd_grad")
-          and (bool({"hook:out", "retain_grad", "raise:backward"} & constructs(c))
+          and (bool({"hook:out", "retain_grad", "raise:backward", "stage:keep"} & constructs(c))
                or c.function is not None
                or any("input_inplace" in s.stages for s in c.calls)),
-          ("hooks", "retained", "fail.outcome", "fn_log.backward", "backward"),
+          ("hooks", "retained", "fail.outcome", "fn_log.backward", "backward", "kept_grads"),
           ("value", "unexpected_error"),
           witnesses=((0, 210), (0, 750), (0, 795), (1795676440, 1137))),
     Known("D10-inline-backward-error-unnamed",
@@ -205,9 +229,10 @@ KNOWN_DIVERGENCES: List[Known] = [
           "early in the loop (at the last tensor it saved), but runs the runtime's batch "
           "whole (checkpoint=False) or not at all (checkpoint=True): buffers, attributes "
           "and gradients differ",
-          lambda c: c.frame == "ckpt_nonreentrant" and c.grad_mode == "grad" and any(
+          lambda c: c.frame == "ckpt_nonreentrant" and c.grad_mode == "grad" and (any(
               st in s.stages or s.output == "aux" for s in c.calls
-              for st in ("spectral_norm", "bn", "counter", "introspect")),
+              for st in ("spectral_norm", "bn", "counter", "introspect", "keep", "keep_plain",
+                         "threads", "mark", "step")) or c.shared_stage is not None),
           ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs"),
           witnesses=((1, 313), (1, 2457), (7, 541), (1795467467, 4032), (1795467467, 17148),
                      (1795671127, 799), (1795671127, 7014))),
