@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench zoo fuzz venv clean
+.PHONY: test demo bench zoo fuzz compat venv clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,28 @@ fuzz: $(STAMP)
 	@seed=$${FUZZ_SEED:-$$(date +%s)}; echo "fuzz seed: $$seed ($(FUZZ_CASES) cases)"; \
 	MOE_AUTOGRAD_FUZZ_CASES=$(FUZZ_CASES) $(PY) -m pytest tests/oracle -p no:cacheprovider \
 		--fuzz-seed=$$seed
+
+# The torch-version matrix: the oracle sample and the core, checkpoint and MoE
+# tests on the oldest and the newest torch that setup.cfg allows, each in a
+# venv of its own (built once, about 1.5 GB each, under COMPAT_DIR; see
+# tools/compat.sh). `make test` runs everything on the pinned torch (2.13.0).
+COMPAT_VERSIONS ?= 2.11.0 2.15.0
+COMPAT_DIR ?= $(HOME)/.cache/moe_autograd/compat
+COMPAT_TESTS := tests/oracle tests/test_parallel.py tests/test_autograd.py \
+	tests/test_executor.py tests/test_checkpoint.py tests/test_checkpoint_frames.py \
+	tests/test_parallel_checkpoint.py tests/test_rng.py tests/test_kept.py tests/test_tls.py \
+	tests/test_terms.py tests/test_regressions_oracle.py tests/test_regressions_order.py \
+	tests/test_param_inputs.py tests/test_compile.py tests/moe/test_moe_layer.py \
+	tests/moe/test_moe_faults.py tests/moe/test_moe_gaps.py tests/moe/test_moe_forced_inline.py \
+	tests/moe/test_moe_cold_start.py tests/moe/test_moe_memory.py
+compat:
+	@for v in $(COMPAT_VERSIONS); do \
+		dir=$(COMPAT_DIR)/torch-$$v; \
+		tools/compat.sh ready $$dir || tools/compat.sh venv $$v $$dir || exit 1; \
+	done; \
+	for v in $(COMPAT_VERSIONS); do \
+		tools/compat.sh test $(COMPAT_DIR)/torch-$$v $(COMPAT_TESTS) || exit 1; \
+	done
 
 # Every case of the transformers zoo (tests/moe/test_zoo_*.py); make test runs a subset.
 zoo: $(STAMP)

@@ -151,6 +151,8 @@ class TaskGroup(Generic[T]):
             self.results[i] = fn()  # type: ignore[misc]
         except BaseException as error:  # noqa: B902 - a worker must survive anything
             self.errors[i] = error
+            if getattr(_thread_role, "worker", False):
+                _drop_leaked_saved_tensors_hooks()
             if is_interruption(error) and self.interrupted is None:
                 self.interrupted = error
             self._finish(i, _DONE)
@@ -446,6 +448,20 @@ def _stop_pool_at_exit() -> None:
 
 
 atexit.register(_stop_pool_at_exit)
+
+
+def _drop_leaked_saved_tensors_hooks() -> None:
+    """Pops saved-tensor hooks a finished call left pushed on its worker.
+    Torch 2.12 and older leave a non-reentrant ``torch.utils.checkpoint``'s
+    hooks pushed on the thread when the checkpointed function raises (its
+    generator stays suspended; 2.13 closes it): every later call the worker
+    runs would pack its saved tensors into that dead frame. On the caller's
+    thread a loop lives with torch's behaviour; a worker serves everyone's
+    calls, so it drops them after a call that raised (the caller's thread,
+    running calls inline, keeps torch's behaviour, as a loop's does)."""
+    autograd = torch._C._autograd
+    while autograd._top_saved_tensors_default_hooks(True) is not None:
+        autograd._pop_saved_tensors_default_hooks()
 
 
 def _workers_from_env() -> int:

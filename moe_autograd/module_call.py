@@ -520,11 +520,16 @@ class ModuleCall(IsolatedCall):
         edges: Edges = {}
         roots: Optional[Dict[Tuple[int, int], int]] = None
         consumed: Set[int] = set()
+        # The roots' nodes, held for the walk: a node's Python object (so its
+        # id) lives only while someone holds it (torch 2.12 and older let it
+        # go, and the walk met another object, with another id, for the node)
+        held = [(k, o.grad_fn, o.output_nr) for k, o in enumerate(self.outputs)
+                if o.requires_grad and o.grad_fn is not None]
         if len(differentiable) > 1:  # one root cannot lead to another
-            roots = {(id(o.grad_fn), o.output_nr): k for k, o in enumerate(self.outputs)
-                     if o.requires_grad and o.grad_fn is not None}
+            roots = {(id(fn), nr): k for k, fn, nr in held}
         self.params = _graph_leaves(differentiable, set(map(id, self._grad_leaves)),
                                     self._made, self.name, edges, roots, consumed)
+        del held
         self._consumed = sorted(consumed)
         self._split = TermSplit.of(self.inputs + self.params, self._grad_leaves + self.params,
                                    edges)

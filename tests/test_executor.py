@@ -228,6 +228,31 @@ def test_worker_survives_base_exception(fresh_pool):
     assert pool.threads == threads
 
 
+@pytest.mark.timeout(30)
+def test_a_call_that_raised_leaves_no_saved_tensors_hooks_on_its_worker(fresh_pool):
+    """Torch 2.12 and older leave a non-reentrant checkpoint's saved-tensor
+    hooks pushed on the thread when its function raises (here: pushed and not
+    popped, as that frame does): the worker's next call, another caller's
+    perhaps, must not pack its saved tensors into them."""
+    import torch
+
+    pool = fresh_pool(1)
+    autograd = torch._C._autograd
+
+    def leaks_and_raises():
+        autograd._push_saved_tensors_default_hooks(lambda t: t, lambda t: t)
+        raise ValueError("raised inside its frame")
+
+    def looks():
+        return threading.current_thread().name, autograd._top_saved_tensors_default_hooks(True)
+
+    groups = [pool.submit([fn]) for fn in (leaks_and_raises, looks)]
+    assert all(g.wait(help=False) for g in groups)
+    assert isinstance(groups[0].errors[0], ValueError) and groups[1].errors[0] is None
+    name, hooks = groups[1].results[0]
+    assert name.startswith("moe_autograd-worker-") and hooks is None
+
+
 class _Interrupt(BaseException):
     """A BaseException that is not an Exception (as KeyboardInterrupt)."""
 

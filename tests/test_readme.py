@@ -76,6 +76,8 @@ COMMANDS: Dict[str, List[str]] = {
     "make bench": ["tests/test_bench.py::test_quick_overhead_row", "test_make_targets"],
     "make fuzz": ["tests/oracle/test_oracle.py::test_runtime_equals_loop", "test_make_targets"],
     "make zoo": ["tests/moe/test_zoo_models.py::test_model_equals_stock", "test_make_targets"],
+    # CI runs it (.ci/run); about 15 minutes with its venvs to build, 6 without
+    "make compat": ["test_compat_matrix_is_the_supported_range"],
     "pip install -e '.[examples]'": ["test_extras"],
     "pip install moe_autograd[ray]": ["test_extras"],
     "pytest tests/remote --plans N": ["tests/remote/test_fault_plans.py"],
@@ -175,6 +177,28 @@ def test_make_targets() -> None:
     assert re.search(r"^bench: .*\n\t\$\(PY\) -m moe_autograd bench$", makefile, flags=re.M)
     assert "tests/oracle" in makefile.split("\nfuzz:")[1].split("\n\n")[0]
     assert "tests/moe/test_zoo_*.py" in makefile.split("\nzoo:")[1].split("\n\n")[0]
+
+
+def test_compat_matrix_is_the_supported_range() -> None:
+    """setup.cfg's torch range is exactly what CI tests: its floor is the
+    oldest version of `make compat`, the newest is below its ceiling, and
+    .ci/run calls `make compat` after `make test`."""
+    makefile = (ROOT / "Makefile").read_text()
+    versions = re.search(r"^COMPAT_VERSIONS \?= (.+)$", makefile, flags=re.M)
+    assert versions is not None
+    tested = sorted(tuple(int(p) for p in v.split(".")) for v in versions.group(1).split())
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    torch_req = [r for r in config["options"]["install_requires"].split() if r.startswith("torch")]
+    bounds = re.fullmatch(r"torch>=(\d+)\.(\d+),<(\d+)\.(\d+)", torch_req[0])
+    assert bounds is not None, torch_req
+    floor, ceiling = tuple(map(int, bounds.groups()[:2])), tuple(map(int, bounds.groups()[2:]))
+    assert tested[0][:2] == floor and tested[0][2] == 0
+    assert tested[-1][:2] < ceiling and (tested[-1][0], tested[-1][1] + 1) == ceiling
+    assert "tools/compat.sh test" in makefile.split("\ncompat:")[1].split("\n\n")[0]
+    ci = (ROOT / ".ci" / "run").read_text().split()
+    assert ci[-4:] == ["make", "test", "make", "compat"]
+    assert f"`{torch_req[0]}`" in README
 
 
 def test_extras() -> None:

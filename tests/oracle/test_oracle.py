@@ -37,7 +37,7 @@ def _sample(config: pytest.Config) -> List[Case]:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "case" in metafunc.fixturenames:
         seed = fuzz_seed(metafunc.config)
-        metafunc.parametrize("case", [pytest.param(c, id=f"s{seed}-k{c.index}")
+        metafunc.parametrize("case", [pytest.param(c, id=f"s{seed}-k{c.index}", marks=_marks(c))
                                       for c in _sample(metafunc.config)])
     if "known" in metafunc.fixturenames:
         metafunc.parametrize("known", [pytest.param(k, id=k.name, marks=pytest.mark.xfail(
@@ -45,6 +45,14 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             reason=f"{k.name}: {k.reason}. If this XPASSes, no case of the sample shows it "
                    "any more: delete the entry in tests/oracle/oracle_known.py"))
             for k in KNOWN_DIVERGENCES])
+
+
+def _marks(case: Case) -> List[pytest.MarkDecorator]:
+    """A case with an inductor-compiled stage compiles C++ kernels on both
+    sides: up to a minute each on a loaded 2-core machine (torch 2.15)."""
+    if any("compiled_inductor" in c.stages for c in case.calls):
+        return [pytest.mark.timeout(300)]
+    return [pytest.mark.timeout(60)]
 
 
 def replay_command(case: Case) -> str:
@@ -63,8 +71,7 @@ def _divergence(case: Case) -> Optional[Divergence]:
     return _RESULTS[key]
 
 
-@pytest.mark.timeout(60)
-def test_runtime_equals_loop(case: Case) -> None:
+def test_runtime_equals_loop(case: Case) -> None:  # timeout: _marks
     divergence = _divergence(case)
     if divergence is None:
         return
