@@ -86,7 +86,7 @@ def train_accuracy(codec: Optional[str], steps: int, batch: int = 256, seed: int
 
 def run(quick: bool = False) -> List[Dict[str, Any]]:
     """One row per codec: accuracy with it against none (percent, not ms)."""
-    steps = 50 if quick else 200
+    steps = 50 if quick else 300
     base, base_loss = train_accuracy(None, steps)
     rows = []
     for codec in CODECS:

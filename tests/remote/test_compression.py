@@ -14,10 +14,11 @@ from torch import nn
 
 import remote_experts as rx
 from moe_autograd import parallel_apply
-from moe_autograd.remote import Compression, ExpertServer, FleetExpert, RemoteExpert, \
-    security_stats
+from moe_autograd.remote import Compression, ExpertServer, FleetExpert, RemoteAuthError, \
+    RemoteExpert, security_stats
 from moe_autograd.remote import endpoint, wire
-from moe_autograd.remote.auth import session_for
+from moe_autograd.remote.auth import Caller, session_for
+from moe_autograd.remote.channel import Opened
 from moe_autograd.remote.compression import BLOCK, CODECS, Compressed, compress
 from moe_autograd.remote.frame import Frame
 from wiring import SECRET, Backend
@@ -249,6 +250,34 @@ def test_a_server_refuses_and_counts_a_malformed_payload(served: None) -> None:
     assert status == "ok" and value[0][0].shape == (2, 4)
 
 
+class _Arrived:
+    """A pending request whose reply has arrived: ``frame``."""
+
+    def __init__(self, frame: Frame) -> None:
+        self.frame = frame
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: Any) -> Frame:
+        return self.frame
+
+
+def test_a_client_rejects_and_counts_a_malformed_reply() -> None:
+    session = session_for(SECRET)
+    _, seq = session.seal(ME, *wire.encode({"op": "info"}))
+    body, buffers = wire.encode({"reply": ["ok", [Compressed(torch.randn(100), "int8")]],
+                                 "refused": 0})
+    buffers = [b.clone() for b in buffers]
+    buffers[0].view(torch.int8)[0] = -128
+    reply = endpoint.gate().seal_reply(SECRET, Caller(SECRET.key_id, session.id, seq), ME,
+                                       body, buffers)
+    before = security_stats()["rejected_replies"].get(ME, 0)
+    with pytest.raises(RemoteAuthError, match="unreadable reply: compressed tensor 0: .*-128"):
+        Opened(_Arrived(reply), ME, seq, session).result(1.0)  # type: ignore[arg-type]
+    assert security_stats()["rejected_replies"].get(ME, 0) == before + 1
+
+
 # -- both engines: compressed calls equal the local module on what the codec delivers ---------
 def _local_copy(expert: RemoteExpert, module: nn.Module) -> nn.Module:
     module.load_state_dict(expert.remote_state_dict())
@@ -264,7 +293,7 @@ def _expected(module: nn.Module, x: torch.Tensor, g: torch.Tensor, codec: str
     out.backward(round_trip(g, codec))
     assert xc.grad is not None
     return (round_trip(out.detach(), codec), round_trip(xc.grad, codec),
-            [p.grad for p in module.parameters()])
+            [p.grad for p in module.parameters() if p.grad is not None])
 
 
 class _CountingTransport:
@@ -299,7 +328,8 @@ def test_compressed_call_both_directions(backend: Backend, codec: str, prefix: s
     assert x.grad is not None and torch.equal(x.grad, want_dx)
     remote = expert.remote_grads()
     for (name, _), want in zip(local.named_parameters(), want_params):
-        assert torch.equal(remote[name], want), name
+        got = remote[name]
+        assert got is not None and torch.equal(got, want), name
     raw = x.numel() * 4
     assert transport.sent < (2 if prefix else 3) * raw  # x (twice if stateless) and g, compressed
 
@@ -323,10 +353,11 @@ def test_coalesced_calls_and_fleet_expert_compress(backend: Backend) -> None:
     fleet_expert = FleetExpert(OneServer(), "lin")  # type: ignore[arg-type]
     assert fleet_expert.compression == "bf16"
     assert FleetExpert(OneServer(), "lin", compression="none").compression is None  # type: ignore[arg-type]
-    experts = [backend.expert("srv-a", "lin", compression="int8"), fleet_expert]
-    locals_ = [_local_copy(experts[0], nn.Linear(rx.WIDTH, rx.WIDTH)),
+    direct = backend.expert("srv-a", "lin", compression="int8")
+    experts: List[nn.Module] = [direct, fleet_expert]
+    locals_ = [_local_copy(direct, nn.Linear(rx.WIDTH, rx.WIDTH)),
                _local_copy(backend.expert("srv-b", "lin"), nn.Linear(rx.WIDTH, rx.WIDTH))]
-    for e in (experts[0], backend.expert("srv-b", "lin")):
+    for e in (direct, backend.expert("srv-b", "lin")):
         e.zero_grad()
     xs = [torch.randn(3, rx.WIDTH, requires_grad=True) for _ in experts]
     g = torch.randn(3, rx.WIDTH)
