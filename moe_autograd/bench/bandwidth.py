@@ -34,6 +34,7 @@ processes are forked from a forkserver, as in :mod:`.remote`.
 """
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -229,10 +230,14 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
             try:
                 out, err = process.communicate(timeout=WORKER_TIMEOUT_S)
             except subprocess.TimeoutExpired:
-                os.killpg(process.pid, 9)
+                os.killpg(process.pid, signal.SIGKILL)
                 out, err = process.communicate()
                 return _skipped(f"the worker in the namespace ran past {WORKER_TIMEOUT_S:g} s:"
                                 f" {err.strip()[-300:]}")
+            finally:  # (interrupted: nothing of the world outlives the namespace's name)
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
     except NetnsUnavailable as error:
         return _skipped(f"cannot make a rate-limited namespace here: {error}")
     lines = [line for line in out.splitlines() if line.startswith("[")]
