@@ -46,6 +46,13 @@ backward, on the client's release, after ``state_ttl``, or past
 on the server: train them with ``expert.zero_grad()`` / ``expert.step()``
 (server-side optimizer) or ``ExpertServer(..., optimizer=..., auto_step=True)``.
 
+Compression (opt-in, :mod:`.compression`): ``RemoteExpert(..., compression="int8")``
+(or ``"fp16"``, ``"bf16"``; a fleet's ``compression=`` for all its experts)
+sends floating arguments and output gradients in that codec and gets outputs
+and input gradients back in it; a compressed tensor is a descriptor and raw
+buffers of the schema like any other. Without it, gradients are bit-equal to
+local ones.
+
 Faults (details in the README's remote section, with a table of what each
 fault does to a ``MixtureOfExperts`` step): a server bounds whole requests'
 bytes (every tensor, as materialised, per call), held states (per client and
