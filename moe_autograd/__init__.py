@@ -37,7 +37,7 @@ from .policy import execution_stats
 
 if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .moe import MixtureOfExperts, NotEnoughExperts, grouped_experts, run_experts
-    from .remote import (ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
+    from .remote import (Compression, ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
                          MissingSecretError, NoLiveReplica, RayAuthError, RayExpertServer,
                          RayFleet, RayTransport, RemoteAuthError, RemoteExpert, RemoteExpertError,
                          RemoteTimeoutError)
@@ -72,6 +72,7 @@ __all__ = [
     "FleetExpert",
     "ElasticServer",
     "NoLiveReplica",
+    "Compression",
 ]
 
 __version__ = "0.1.0"
@@ -97,6 +98,7 @@ _LAZY: Dict[str, str] = {
     "FleetExpert": ".remote",
     "ElasticServer": ".remote",
     "NoLiveReplica": ".remote",
+    "Compression": ".remote",
 }
 
 

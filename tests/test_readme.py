@@ -85,6 +85,8 @@ COMMANDS: Dict[str, List[str]] = {
     # 15 s and 76 s in bench --quick: their names are checked, the rows are not run.
     "python -m moe_autograd bench --only elastic": ["test_bench_groups"],
     "python -m moe_autograd bench --only ray-elastic": ["test_bench_groups"],
+    "python -m moe_autograd bench --only remote": [  # minutes: its rows' parts are tested
+        "test_bench_groups", "tests/test_bench_netns.py::test_rows_skip_with_the_reason"],
     "python -m moe_autograd demo --elastic": ["tests/test_demos.py::test_elastic_demo_small"],
     "python -m moe_autograd demo --elastic --engine ray":
         ["tests/remote/test_ray_demo.py::test_ray_elastic_demo_small"],

@@ -102,7 +102,8 @@ def _from_dict(d: Mapping[str, Any]) -> Row:
     ratio = _number(d.get("ratio"))
     if ratio is None and baseline and ours is not None:
         ratio = ours / baseline
-    r = row(str(d.get("name", "?")), baseline, ours, ratio, d.get("goal"), str(d.get("note") or ""))
+    r = row(str(d.get("name", "?")), baseline, ours, ratio, d.get("goal"), str(d.get("note") or ""),
+            str(d.get("unit") or "ms"))
     if isinstance(d.get("met"), bool):
         r.met = d["met"]
     return r

@@ -383,7 +383,17 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
     processes.append(ctx.Process(target=_client_main,
                                  args=(port, quick, servers, queue, secret),
                                  name="bench-client", daemon=True))
-    return _run_world(processes, queue, "bench.remote")
+    rows: List[Dict[str, Any]] = _run_world(processes, queue, "bench.remote")
+    return rows + _compression_rows(quick)
+
+
+def _compression_rows(quick: bool) -> List[Dict[str, Any]]:
+    """Issue 32's rows: the bandwidth-limited world (:mod:`.bandwidth`, a
+    private rate-limited network namespace; one skipped row where that is
+    not allowed) and the codecs' training quality (:mod:`.codec_quality`)."""
+    from . import bandwidth, codec_quality
+
+    return bandwidth.run(quick) + codec_quality.run(quick)
 
 
 def _run_world(processes: List[Any], queue: Any, what: str) -> Any:

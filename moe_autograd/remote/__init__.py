@@ -35,7 +35,8 @@ call goes down, through an engine, and up into a server's operation)::
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
     transport                             the seam: frames in, frames out
-    auth, wire, frame, factory, errors    secrets and MACs; the body codec; the layout
+    auth, wire, frame, factory, errors,   secrets and MACs; the body codec; the layout;
+    compression                           fp16 / bf16 / int8 codecs of tensors
 
 Backward strategies, per server: ``stateless`` (default; the client sends the
 inputs back and the server recomputes under the same seed, so dropout masks
@@ -44,6 +45,13 @@ backward, on the client's release, after ``state_ttl``, or past
 ``max_states``). Parameter gradients accumulate in the hosted modules' ``.grad``
 on the server: train them with ``expert.zero_grad()`` / ``expert.step()``
 (server-side optimizer) or ``ExpertServer(..., optimizer=..., auto_step=True)``.
+
+Compression (opt-in, :mod:`.compression`): ``RemoteExpert(..., compression="int8")``
+(or ``"fp16"``, ``"bf16"``; a fleet's ``compression=`` for all its experts)
+sends floating arguments and output gradients in that codec and gets outputs
+and input gradients back in it; a compressed tensor is a descriptor and raw
+buffers of the schema like any other. Without it, gradients are bit-equal to
+local ones.
 
 Faults (details in the README's remote section, with a table of what each
 fault does to a ``MixtureOfExperts`` step): a server bounds whole requests'
@@ -130,6 +138,7 @@ from . import batch_server  # noqa: F401 - registers the "batch" and "collect" o
 from .auth import JobSecret, MissingSecretError, job_secret, security_stats, set_job_secret
 from .channel import call_operation
 from .client import RemoteCall, RemoteExpert, flush_releases
+from .compression import Compression
 from .elastic import ElasticServer
 from .endpoint import register_operation, unregister_operation
 from .errors import RemoteAuthError, RemoteExpertError, RemoteTimeoutError
@@ -150,4 +159,4 @@ __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertEr
            "RayExpertServer", "RayTransport", "RayFleet", "RayAuthError", "RpcTransport",
            "AutoTransport", "get_transport", "set_transport", "JobSecret", "MissingSecretError",
            "job_secret", "set_job_secret", "security_stats", "register_operation",
-           "unregister_operation", "call_operation", "start_rpc"]
+           "unregister_operation", "call_operation", "start_rpc", "Compression"]

@@ -379,6 +379,11 @@ class Session:
                                        "this job's secret by that server)")
         return frame.head[header.body_start:], frame.buffers
 
+    def reject(self, worker: str, why: str) -> ReplyRejected:
+        """Counts and logs a reply of ``worker`` this client will not read
+        for a reason found above this layer (a body that does not decode)."""
+        return self._reject(worker, why)
+
     def _reject(self, worker: str, why: str) -> ReplyRejected:
         with _stats_lock:
             _rejected[worker] = _rejected.get(worker, 0) + 1

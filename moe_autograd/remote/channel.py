@@ -70,7 +70,8 @@ class Opened:
             raise RemoteAuthError(str(rejected)) from None
         try:
             message = wire.decode(body, buffers)
-        except wire.WireError as error:
+        except wire.WireError as error:  # counted and logged like a reply that fails
+            self._session.reject(worker, f"an unreadable reply ({error})")
             raise RemoteAuthError(f"server {worker!r} sent an unreadable reply: {error}"
                                   ) from None
         reply = message.get("reply") if type(message) is dict else None

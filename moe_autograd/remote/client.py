@@ -69,6 +69,7 @@ from ..phony import get_phony
 from ..rng import CallRng
 from . import wire
 from .auth import JobSecret
+from .compression import Compressed, Compression, resolve as resolve_codec
 from .batching import COLLECTOR, GRACE_S, Job, RemoteModuleCall, run_sync
 from .channel import request as send_request
 from .errors import RemoteExpertError
@@ -274,6 +275,13 @@ class RemoteExpert(nn.Module):
     ``skipped_steps`` counts the server's optimizer steps that this client's
     backwards (or :meth:`step` calls) reported as skipped for non-finite
     gradients (each also warns).
+
+    ``compression``: ``None`` (default: raw, gradients bit-equal to local
+    calls), ``"fp16"``, ``"bf16"`` or ``"int8"`` (or a
+    :class:`~moe_autograd.remote.Compression`): the floating tensor arguments
+    and output gradients travel in that codec, and the server answers the
+    outputs and input gradients in it too (:mod:`.compression`: what is
+    compressed, the error bounds). Settable later (``expert.compression = ...``).
     """
 
     #: The record of this expert's calls in a pass (see moe_autograd.collect).
@@ -282,12 +290,14 @@ class RemoteExpert(nn.Module):
     def __init__(self, worker: str, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
                  transport: Optional[Transport] = None,
-                 secret: Optional[JobSecret] = None) -> None:
+                 secret: Optional[JobSecret] = None,
+                 compression: Union[None, str, Compression] = None) -> None:
         super().__init__()
         if secret is not None and not isinstance(secret, JobSecret):
             raise TypeError(f"secret of RemoteExpert {name!r} must be a JobSecret or None, got "
                             f"{type(secret).__name__}")
         self.worker, self.name = worker, name
+        self.compression = compression
         self.secret = secret
         self.forward_timeout, self.backward_timeout = forward_timeout, backward_timeout
         self.transport: Transport = transport or get_transport()
@@ -304,6 +314,15 @@ class RemoteExpert(nn.Module):
                                               value)
 
     @property
+    def compression(self) -> Optional[str]:
+        """The codec of this expert's tensors on the wire (``None``: raw)."""
+        return self._compression
+
+    @compression.setter
+    def compression(self, value: Union[None, str, Compression]) -> None:
+        self._compression = resolve_codec(value, f"compression of RemoteExpert {self.name!r}")
+
+    @property
     def backward_timeout(self) -> Optional[float]:
         """Seconds a backward may take; ``None``: the transport's timeout."""
         return self._backward_timeout
@@ -314,7 +333,8 @@ class RemoteExpert(nn.Module):
                                                value)
 
     def extra_repr(self) -> str:
-        return f"worker={self.worker!r}, name={self.name!r}"
+        codec = f", compression={self._compression!r}" if self._compression else ""
+        return f"worker={self.worker!r}, name={self.name!r}{codec}"
 
     # -- calls --------------------------------------------------------------
     def forward(self, *args: Any) -> Outputs:  # type: ignore[override]
@@ -359,7 +379,20 @@ class RemoteExpert(nn.Module):
         ``TypeError`` naming the call for what cannot travel."""
         sent = [_wire(a) for a in args]
         wire.check_value(sent, f"the arguments of {self._where(what)}: argument list")
-        return sent
+        return self._packed(sent)
+
+    def _packed(self, tensors: List[Any]) -> List[Any]:
+        """``tensors`` with the floating ones marked for this expert's codec."""
+        codec = self._compression
+        if codec is None:
+            return tensors
+        return [Compressed(t, codec) if isinstance(t, Tensor) and t.is_floating_point() else t
+                for t in tensors]
+
+    def _codec_field(self, message: Dict[str, Any]) -> Dict[str, Any]:
+        if self._compression is not None:  # (absent: raw; older servers never see the key)
+            message["compression"] = self._compression
+        return message
 
     def _new_call(self, seed: int) -> _Call:
         return _Call(self, seed)
@@ -389,6 +422,7 @@ class RemoteExpert(nn.Module):
 
         def abandon() -> None:  # the server may still store a state for it: release it
             _releaser.add(self.transport, self.worker, self.secret, call.call_id)
+        self._codec_field(message)
         return self._job("forward", message, self.forward_timeout, decode,
                          abandon if grad else None)
 
@@ -402,7 +436,8 @@ class RemoteExpert(nn.Module):
         message = {"op": "backward", "expert": self.name, "call": call.call_id,
                    "seed": call.seed, "flags": call.flags,
                    "args": None if args is None else self._wire_args("backward", args),
-                   "grads": [_wire(g) for g in grads]}
+                   "grads": self._packed([_wire(g) for g in grads])}
+        self._codec_field(message)
 
         def decode(reply: Any) -> List[Optional[Tensor]]:
             if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], list)

@@ -18,7 +18,9 @@ Lifecycle of a request here (:func:`serve`)::
     ------------------------  ----------------------------------------------------------
     Gate.open                 refused -> an unsealed refusal frame (its reason's code
                               only); counted and logged; nothing decoded or run
-    wire.decode               malformed -> a sealed error reply
+    wire.decode               malformed (a compressed payload that does not match its
+                              descriptor included) -> a sealed error reply; counted and
+                              logged as a "malformed" refusal
     the operation's handler   its reply ``["ok", value]`` or ``["error", text]`` (a
                               handler that raises becomes an error reply)
     wire.encode, Gate.seal    the reply, with ``refused``: how many requests this
@@ -118,6 +120,7 @@ def _run(caller: Caller, body: bytes, buffers: Any) -> Reply:
     try:
         request = wire.decode(body, buffers)
     except wire.WireError as error:
+        _gate.refuse("malformed", f"a request whose body does not decode ({error})")
         return ["error", f"malformed request: {error}"]
     if type(request) is not dict:
         return ["error", "malformed request: not a dict"]

@@ -57,10 +57,11 @@ every member must reach the store and every other member directly.
 import logging
 import threading
 import time
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from . import membership, rpc_bind, stopping
 from .auth import JobSecret, resolve_secret
+from .compression import Compression, resolve as resolve_codec
 from .channel import request
 from .errors import RemoteAuthError
 from .registry import BeatWatch, Registry, ServerRecord, observe_alive
@@ -91,6 +92,8 @@ class Fleet:
     ``suspect_for``: seconds a server whose call failed on the transport is
     skipped (default ``dead_after``). ``secret``: the job's
     :class:`~moe_autograd.remote.JobSecret` (default: the process's).
+    ``compression``: the codec its experts' tensors travel in (``None``: raw;
+    ``"fp16"``, ``"bf16"``, ``"int8"``; one expert may say otherwise).
     """
 
     def __init__(self, raw: Any, name: str, rank: int, *, founder: bool,
@@ -98,12 +101,14 @@ class Fleet:
                  beat_interval: float = 0.1, dead_after: float = 1.0,
                  suspect_for: Optional[float] = None, reap: Optional[bool] = None,
                  ping_timeout: float = 1.0, member_timeout: float = 2.0,
-                 token_stuck_after: float = 30.0, secret: Optional[JobSecret] = None) -> None:
+                 token_stuck_after: float = 30.0, secret: Optional[JobSecret] = None,
+                 compression: Union[None, str, Compression] = None) -> None:
         if dead_after <= 2 * beat_interval:
             raise ValueError(f"dead_after ({dead_after:g} s) must exceed two beat intervals "
                              f"({beat_interval:g} s)")
         self.name, self.rank, self.founder = membership.check_name(name), rank, founder
         self.secret = resolve_secret(secret)
+        self.compression = resolve_codec(compression, "compression of Fleet")
         self.transport: Transport = transport or get_transport()
         self.poll, self.beat_interval, self.dead_after = poll, beat_interval, dead_after
         self.suspect_for = dead_after if suspect_for is None else suspect_for
@@ -220,14 +225,17 @@ class Fleet:
 
     def expert(self, name: str, *, forward_timeout: Optional[float] = None,
                backward_timeout: Optional[float] = None,
-               attempt_timeout: Optional[float] = None) -> FleetExpert:
-        """A module that calls the expert ``name`` on a live replica."""
+               attempt_timeout: Optional[float] = None,
+               compression: Union[None, str, Compression] = None) -> FleetExpert:
+        """A module that calls the expert ``name`` on a live replica.
+        ``compression``: its codec on the wire (``None``: the fleet's)."""
         return FleetExpert(self, name, forward_timeout=forward_timeout,
-                           backward_timeout=backward_timeout, attempt_timeout=attempt_timeout)
+                           backward_timeout=backward_timeout, attempt_timeout=attempt_timeout,
+                           compression=compression)
 
-    def experts(self, names: Sequence[str], **timeouts: Optional[float]) -> List[FleetExpert]:
+    def experts(self, names: Sequence[str], **options: Any) -> List[FleetExpert]:
         """:meth:`expert` for each name (e.g. the experts of a MixtureOfExperts)."""
-        return [self.expert(name, **timeouts) for name in names]
+        return [self.expert(name, **options) for name in names]
 
     def wait_for(self, experts: Sequence[str], timeout: float = 30.0) -> None:
         """Blocks until every name in ``experts`` has a live replica."""

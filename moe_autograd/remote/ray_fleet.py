@@ -70,9 +70,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from .auth import JobSecret, resolve_secret
+from .compression import Compression, resolve as resolve_codec
 from .channel import Opened, request
 from .errors import RemoteAuthError
 from .ray_engine import NAMESPACE, RayTransport, _ray, short
@@ -107,19 +108,23 @@ class RayFleet:
     (default: the process's). ``info_timeout``: seconds a server may leave
     its ``info()`` unanswered before it is left out (silent). ``events``: the
     :class:`~.replicas.FleetEvent` s seen, oldest first (``joined``, ``left``,
-    ``lost``, ``gone``, ``refused``; see the module's table).
+    ``lost``, ``gone``, ``refused``; see the module's table). ``compression``:
+    the codec its experts' tensors travel in (``None``: raw; ``"fp16"``,
+    ``"bf16"``, ``"int8"``; one expert may say otherwise).
     """
 
     def __init__(self, namespace: str = NAMESPACE, *, poll: float = 0.5,
                  suspect_for: float = 2.0, info_timeout: float = 5.0,
                  transport: Optional[Transport] = None,
-                 secret: Optional[JobSecret] = None) -> None:
+                 secret: Optional[JobSecret] = None,
+                 compression: Union[None, str, Compression] = None) -> None:
         ray = _ray()
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised in this process: call "
                                "ray.init(address=...) before creating a RayFleet")
         self.namespace = namespace
         self.secret = resolve_secret(secret)
+        self.compression = resolve_codec(compression, "compression of RayFleet")
         self.poll = check_timeout("poll of RayFleet", poll) or 0.5
         self.suspect_for = check_timeout("suspect_for of RayFleet", suspect_for) or 0.0
         self.info_timeout = check_timeout("info_timeout of RayFleet", info_timeout) or 5.0
@@ -354,13 +359,16 @@ class RayFleet:
     # -- experts --------------------------------------------------------------------------
     def expert(self, name: str, *, forward_timeout: Optional[float] = None,
                backward_timeout: Optional[float] = None,
-               attempt_timeout: Optional[float] = None) -> FleetExpert:
-        """A module that calls the expert ``name`` on a serving replica."""
+               attempt_timeout: Optional[float] = None,
+               compression: Union[None, str, Compression] = None) -> FleetExpert:
+        """A module that calls the expert ``name`` on a serving replica.
+        ``compression``: its codec on the wire (``None``: the fleet's)."""
         return FleetExpert(self, name, forward_timeout=forward_timeout,
-                           backward_timeout=backward_timeout, attempt_timeout=attempt_timeout)
+                           backward_timeout=backward_timeout, attempt_timeout=attempt_timeout,
+                           compression=compression)
 
-    def experts(self, names: Sequence[str], **timeouts: Optional[float]) -> List[FleetExpert]:
-        return [self.expert(name, **timeouts) for name in names]
+    def experts(self, names: Sequence[str], **options: Any) -> List[FleetExpert]:
+        return [self.expert(name, **options) for name in names]
 
     def wait_for(self, experts: Sequence[str], timeout: float = 30.0,
                  replicas: int = 1) -> None:

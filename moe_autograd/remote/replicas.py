@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from ..logs import RateLimit, held_back
 from .auth import JobSecret
 from .client import RemoteExpert
+from .compression import Compression, resolve as resolve_codec
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .transport import Transport, TransportError, check_timeout
 
@@ -124,13 +125,20 @@ class FleetExpert(nn.Module):
     that failed on the transport is skipped by every call for the fleet's
     ``suspect_for``. ``last_worker`` is the replica of the latest successful
     forward, tried first next time; ``retries`` counts attempts after a failure.
+    ``compression``: the codec of its tensors on the wire (see
+    :class:`~moe_autograd.remote.RemoteExpert`); ``None``: the fleet's
+    ``compression``, ``"none"``: raw whatever the fleet's.
     """
 
     def __init__(self, fleet: Resolver, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
-                 attempt_timeout: Optional[float] = None) -> None:
+                 attempt_timeout: Optional[float] = None,
+                 compression: Union[None, str, Compression] = None) -> None:
         super().__init__()
         self.fleet, self.name = fleet, name
+        self.compression = resolve_codec(
+            getattr(fleet, "compression", None) if compression is None else compression,
+            f"compression of FleetExpert {name!r}")
         self.forward_timeout = check_timeout(f"forward_timeout of FleetExpert {name!r}",
                                              forward_timeout)
         self.backward_timeout = check_timeout(f"backward_timeout of FleetExpert {name!r}",
@@ -203,7 +211,8 @@ class FleetExpert(nn.Module):
         (whose locals end up holding a later attempt's outputs)."""
         expert = RemoteExpert(worker, self.name, forward_timeout=limit,
                               backward_timeout=self.backward_timeout,
-                              transport=self.fleet.transport, secret=self.fleet.secret)
+                              transport=self.fleet.transport, secret=self.fleet.secret,
+                              compression=self.compression)
         try:
             return expert(*args), None
         except RemoteExpertError as error:

@@ -19,6 +19,12 @@ Backward strategies (chosen per server):
   all), freed at backward, on release by the owner, past ``state_ttl``, or
   when evicted by the quota policy.
 
+Compression: a job whose request names a codec (``"compression"``, set by
+the client's ``RemoteExpert(..., compression=...)``) gets its outputs (forward)
+and input gradients (backward) back in that codec (:mod:`.compression`);
+what arrived compressed was decoded by :mod:`.wire` before any handler here
+runs, so the limits below count tensors at their decoded size.
+
 Who may do what: a server serves the jobs whose secrets it was given
 (``secret=``, default the job's: :func:`~.auth.job_secret`); a request sealed
 with another secret is refused by the gate before it is read, and a member of
@@ -67,6 +73,7 @@ from torch import Tensor, nn
 
 from . import endpoint
 from . import execution as ex
+from .compression import CODECS, Compressed
 from .auth import Caller, JobSecret, resolve_secret, security_stats
 from .endpoint import Reply, error_text
 from .sizes import Tally, materialised_bytes
@@ -393,6 +400,22 @@ def admit_request(caller: Caller, jobs: Sequence[Any]) -> List[Optional[str]]:
     return verdicts
 
 
+def _codec(job: Dict[str, Any], where: str) -> Optional[str]:
+    """The codec a job's reply travels in (its ``compression`` field; absent: raw)."""
+    codec = job.get("compression")
+    if codec is not None and codec not in CODECS:
+        raise ValueError(f"{where}: unknown compression {codec!r:.40}; one of {CODECS}")
+    return codec  # type: ignore[no-any-return]
+
+
+def _packed(values: Sequence[Optional[Tensor]], codec: Optional[str]) -> List[Any]:
+    """Tensors of a reply, marked for ``codec`` (:mod:`.compression`)."""
+    out = [ex.to_wire(v) for v in values]
+    if codec is None:
+        return out
+    return [Compressed(v, codec) if v is not None and v.is_floating_point() else v for v in out]
+
+
 def _call_fields(hosted: _Hosted, job: Dict[str, Any]) -> Tuple[str, str, int, List[Any]]:
     """What every call's job names: ``(where, call id, seed, flags)``."""
     where = f"{job.get('op')} of expert {hosted.name!r}"
@@ -404,6 +427,7 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     where, call_id, seed, flags = _call_fields(hosted, job)
     grad = _field(job, "grad", bool, where)
     args = _field(job, "args", list, where)
+    codec = _codec(job, where)
     store = hosted.server.store
     owner = caller.owner
     _check_request_size(hosted, "forward", args)
@@ -418,7 +442,7 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
         assert store is not None
         nbytes = materialised_bytes(leaves, outputs)
         store.put(call_id, CallState(hosted.name, owner, leaves, outputs, nbytes))
-    return [[ex.to_wire(o) for o in outputs], single, diff, mode]
+    return [_packed(outputs, codec), single, diff, mode]
 
 
 def _step(hosted: _Hosted) -> Optional[str]:
@@ -442,6 +466,7 @@ def _step(hosted: _Hosted) -> Optional[str]:
 def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     where, call_id, seed, flags = _call_fields(hosted, job)
     grads = _field(job, "grads", list, where)
+    codec = _codec(job, where)
     args = job.get("args")
     if args is not None and not isinstance(args, list):
         raise TypeError(f"{where}: field 'args' must be a list or None")
@@ -457,7 +482,7 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
     else:
         leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
     if not hosted.server.auto_step:
-        return [ex.run_backward(leaves, outputs, grads), None]
+        return [_packed(ex.run_backward(leaves, outputs, grads), codec), None]
     assert hosted.optimizer is not None
     with hosted.lock:
         try:
@@ -465,7 +490,7 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
             note = _step(hosted)
         finally:
             hosted.optimizer.zero_grad()
-    return [result, note]
+    return [_packed(result, codec), note]
 
 
 def _load_state_dict(hosted: _Hosted, payload: Any) -> None:

@@ -17,6 +17,14 @@ one object), and a tuple the extension type 2 holding its items, packed the
 same way (so tuples stay tuples, lists stay lists). One pass of msgpack's C
 decoder reads it all: each tensor is made where its descriptor is met.
 
+A compressed tensor (a :class:`~.compression.Compressed` in the value, see
+:mod:`.compression`) is the extension type 3: payload buffer index uint32,
+scales buffer index uint32 (``0xFFFFFFFF``: none), codec id uint8, dtype
+code uint8, requires_grad uint8, dimensions uint8, block size uint32, then a
+uint64 size per dimension (it arrives contiguous). Its payload and its scales
+are raw buffers like any tensor's; where the codec does not apply
+(:mod:`.compression`'s Rules 1 and 2) the tensor travels as the type 1.
+
 Life of a received tensor (:func:`decode`)::
 
     step                             what is checked or done
@@ -28,10 +36,15 @@ Life of a received tensor (:func:`decode`)::
                                      :data:`MAX_DIMS` sizes and strides, each in
                                      [0, 2**48); elements at most :data:`MAX_ELEMENTS`; the
                                      bytes its elements span equal its buffer's length;
-                                     requires_grad only for floating and complex dtypes
+                                     requires_grad only for floating and complex dtypes;
+                                     compressed (type 3): the codec carries the dtype, the
+                                     payload and scales lengths match, scales finite and
+                                     >= 0 (:mod:`.compression`, Rule 3)
     tensor made                      a view of its buffer (``frombuffer``, ``as_strided``):
                                      no allocation but a copy of a read-only buffer, so
-                                     nothing beyond what arrived is allocated here
+                                     nothing beyond what arrived is allocated here; a
+                                     compressed tensor is decoded into a new one, at most
+                                     8 times its payload's bytes
     value read                       every buffer claimed by a tensor; nesting at most
                                      :data:`MAX_DEPTH`; no bytes left over
 
@@ -44,7 +57,9 @@ Invariants:
 * ``decode(*encode(v))`` equals ``v``: the same types, tensors with the same
   dtype, shape, strides (where the elements span no more than their number:
   expanded and permuted tensors keep their strides; a sparse window of a
-  larger storage travels contiguous), values and ``requires_grad``.
+  larger storage travels contiguous), values and ``requires_grad``; a
+  :class:`~.compression.Compressed` tensor arrives as a plain contiguous
+  tensor of its dtype and shape, its values within the codec's bounds.
 * :func:`encode` refuses what msgpack cannot carry with
   :class:`WireTypeError` naming it; :func:`check_value` refuses all that the
   schema does not carry (dict keys other than ``str`` included, which
@@ -56,12 +71,13 @@ Invariants:
 """
 import math
 import struct
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import msgpack  # type: ignore[import-untyped]
 import torch
 from torch import Tensor
 
+from . import compression as cz
 from .frame import buffer_view
 
 __all__ = ["encode", "decode", "check_value", "WireError", "WireTypeError", "DTYPES",
@@ -80,7 +96,11 @@ MAX_DEPTH = 64
 MAX_ELEMENTS = 1 << 48
 MAX_INT = (1 << 63) - 1
 _DIM_LIMIT = 1 << 48
-_TENSOR, _TUPLE = 1, 2
+_TENSOR, _TUPLE, _PACKED = 1, 2, 3
+_NO_SCALES = 0xFFFFFFFF
+#: A compressed tensor's descriptor per number of dimensions (see the module docstring).
+_PACKED_DESCRIPTORS = [struct.Struct("<IIBBBBI" + "Q" * n) for n in range(MAX_DIMS + 1)]
+_PACKED_HEAD = _PACKED_DESCRIPTORS[0]
 _HEAD = struct.Struct("<IBBB")  # buffer index, dtype code, requires_grad, dimensions
 #: A whole descriptor per number of dimensions: the head, then sizes, then strides.
 _DESCRIPTORS = [struct.Struct("<IBBB" + "Q" * (2 * n)) for n in range(MAX_DIMS + 1)]
@@ -114,12 +134,16 @@ class _Encoder:
 
     def __init__(self) -> None:
         self.buffers: List[Tensor] = []
-        self.index: Dict[int, bytes] = {}  # id(tensor) -> its extension payload
+        self.index: Dict[Any, bytes] = {}  # id(tensor) (or with a codec) -> its descriptor
         self.keep: List[Tensor] = []  # ids stay unique while encoding
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
             return msgpack.ExtType(_TENSOR, self.tensor(obj))
+        if type(obj) is cz.Compressed:
+            packed = self.packed(obj)
+            return msgpack.ExtType(_TENSOR, self.tensor(obj.tensor)) if packed is None \
+                else msgpack.ExtType(_PACKED, packed)
         if type(obj) is tuple:
             return msgpack.ExtType(_TUPLE, self.pack(list(obj)))
         raise WireTypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} cannot travel: "
@@ -178,6 +202,43 @@ class _Encoder:
         return payload
 
 
+    def packed(self, wrapped: cz.Compressed) -> Optional[bytes]:
+        """The descriptor of a compressed tensor, or ``None``: it travels raw."""
+        tensor, codec = wrapped.tensor, wrapped.codec
+        if not isinstance(tensor, Tensor):
+            raise WireTypeError(f"Compressed holds a {type(tensor).__qualname__}, not a tensor")
+        key = (id(tensor), codec)
+        found = self.index.get(key)
+        if found is not None:
+            return found
+        data = tensor.detach()
+        if type(data) is not Tensor or data.layout is not _STRIDED or data.is_nested \
+                or not cz.applies(data.dtype, codec):
+            return None
+        if data.dim() > MAX_DIMS:
+            raise WireTypeError(f"a tensor of {data.dim()} dimensions cannot travel (at most "
+                                f"{MAX_DIMS})")
+        if not data.is_cpu:
+            data = data.cpu()
+        made = cz.compress(data, codec)
+        if made is None:
+            return None
+        payload, scales = made
+        index = len(self.buffers)
+        self.buffers.append(payload.view(torch.uint8))
+        scales_index = _NO_SCALES
+        if scales is not None:
+            scales_index = len(self.buffers)
+            self.buffers.append(scales.view(torch.uint8))
+        shape = data.shape
+        descriptor = _PACKED_DESCRIPTORS[len(shape)].pack(
+            index, scales_index, cz.CODEC_IDS[codec], _CODES[data.dtype], tensor.requires_grad,
+            len(shape), cz.BLOCK if scales is not None else 0, *shape)
+        self.index[key] = descriptor
+        self.keep.append(tensor)
+        return descriptor
+
+
 def encode(value: Any) -> Tuple[bytes, List[Tensor]]:
     """``(body, buffers)`` of ``value`` (see the module docstring); the
     buffers are 1-D uint8 CPU tensors, views where no copy was needed.
@@ -201,6 +262,12 @@ def check_value(value: Any, where: str) -> None:
             if not -MAX_INT - 1 <= item <= MAX_INT:
                 raise WireTypeError(f"{path} is an int outside 64 bits ({item})")
             continue
+        if kind is cz.Compressed:
+            item = item.tensor
+            kind = type(item)
+            if not isinstance(item, Tensor):
+                raise WireTypeError(f"{path} is a Compressed of a {kind.__qualname__}, not a "
+                                    "tensor")
         if isinstance(item, Tensor):
             if type(item) is not Tensor and type(item) is not torch.nn.Parameter:
                 raise WireTypeError(f"{path} is a tensor subclass ({kind.__qualname__}): "
@@ -251,16 +318,19 @@ class _Decoder:
     rather than a closure: a closure that names itself (tuples nest) would be
     a reference cycle holding the message's tensors until a GC pass."""
 
-    __slots__ = ("buffers", "made", "depth")
+    __slots__ = ("buffers", "made", "scales", "depth")
 
     def __init__(self, buffers: Sequence[Any]) -> None:
         self.buffers = buffers
         self.made: Dict[int, Tuple[bytes, Tensor]] = {}  # buffer -> (descriptor, tensor)
+        self.scales: Set[int] = set()  # buffers claimed as a compressed tensor's scales
         self.depth = 0
 
     def hook(self, code: int, data: bytes) -> Any:
         if code == _TENSOR:
             return self.tensor(data)
+        if code == _PACKED:
+            return self.packed(data)
         if code == _TUPLE:
             if self.depth >= MAX_DEPTH:
                 raise WireError(f"tuples nested more than {MAX_DEPTH} deep")
@@ -289,6 +359,8 @@ class _Decoder:
             if made[0] != data:
                 raise WireError(f"buffer {index} claimed by two different tensors")
             return made[1]
+        if index in self.scales:
+            raise WireError(f"buffer {index} claimed by a tensor and as scales")
         if index >= len(self.buffers):
             raise WireError(f"a tensor of buffer {index}, of {len(self.buffers)}")
         if code >= len(_BY_CODE) or requires_grad > 1:
@@ -322,6 +394,50 @@ class _Decoder:
         return tensor
 
 
+    def packed(self, data: bytes) -> Tensor:
+        """A compressed tensor (extension type 3), decoded."""
+        if len(data) < _PACKED_HEAD.size:
+            raise WireError("a compressed tensor's descriptor shorter than its header")
+        ndim = data[_PACKED_HEAD.size - 5]
+        if ndim > MAX_DIMS or len(data) != _PACKED_DESCRIPTORS[ndim].size:
+            raise WireError("a compressed tensor's malformed descriptor")
+        fields = _PACKED_DESCRIPTORS[ndim].unpack(data)
+        index, scales_index, codec, code, requires_grad, _, block = fields[:7]
+        sizes = tuple(fields[7:])
+        key = data  # (a plain descriptor of the same buffer differs: made[index][0])
+        made = self.made.get(index)
+        if made is not None:
+            if made[0] != key:
+                raise WireError(f"buffer {index} claimed by two different tensors")
+            return made[1]
+        n = len(self.buffers)
+        if index >= n or index in self.scales:
+            raise WireError(f"a compressed tensor of buffer {index}, of {n} (or claimed twice)")
+        has_scales = scales_index != _NO_SCALES
+        if has_scales and (scales_index >= n or scales_index == index
+                           or scales_index in self.made or scales_index in self.scales):
+            raise WireError(f"compressed tensor {index}: scales in buffer {scales_index}, of "
+                            f"{n} (or claimed twice)")
+        if code >= len(_BY_CODE) or requires_grad > 1:
+            raise WireError(f"compressed tensor {index}: a malformed descriptor")
+        if ndim and max(sizes) >= _DIM_LIMIT:
+            raise WireError(f"compressed tensor {index}: a size past 2**48")
+        if math.prod(sizes) > MAX_ELEMENTS:
+            raise WireError(f"compressed tensor {index}: more than {MAX_ELEMENTS} elements")
+        try:
+            tensor = cz.decompress(codec, _BY_CODE[code], sizes, _flat(self.buffers[index]),
+                                   _flat(self.buffers[scales_index]) if has_scales else None,
+                                   block)
+        except cz.CompressionError as error:
+            raise WireError(f"compressed tensor {index}: {error}") from None
+        if requires_grad:
+            tensor.requires_grad_()
+        self.made[index] = (key, tensor)
+        if has_scales:
+            self.scales.add(scales_index)
+        return tensor
+
+
 def decode(body: Any, buffers: Sequence[Any]) -> Any:
     """The value of a message body whose tensors are ``buffers`` (see the
     module docstring's table); raises :class:`WireError` for anything else."""
@@ -333,6 +449,7 @@ def decode(body: Any, buffers: Sequence[Any]) -> Any:
         raise
     except Exception as error:  # noqa: BLE001 - whatever the bytes: one error type
         raise WireError(f"malformed message body: {type(error).__name__}: {error}") from None
-    if len(decoder.made) != len(buffers):
-        raise WireError(f"{len(buffers)} buffers arrived for {len(decoder.made)} tensors")
+    if len(decoder.made) + len(decoder.scales) != len(buffers):
+        raise WireError(f"{len(buffers)} buffers arrived for {len(decoder.made)} tensors"
+                        + (f" and {len(decoder.scales)} scales" if decoder.scales else ""))
     return value
