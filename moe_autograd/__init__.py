@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .remote import (ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
                          MissingSecretError, NoLiveReplica, RayAuthError, RayExpertServer,
                          RayFleet, RayTransport, RemoteAuthError, RemoteExpert, RemoteExpertError,
-                         RemoteTimeoutError)
+                         RemoteTimeoutError, ReplicaBalancer)
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -72,6 +72,7 @@ __all__ = [
     "FleetExpert",
     "ElasticServer",
     "NoLiveReplica",
+    "ReplicaBalancer",
 ]
 
 __version__ = "0.1.0"
@@ -97,6 +98,7 @@ _LAZY: Dict[str, str] = {
     "FleetExpert": ".remote",
     "ElasticServer": ".remote",
     "NoLiveReplica": ".remote",
+    "ReplicaBalancer": ".remote",
 }
 
 

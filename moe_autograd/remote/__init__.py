@@ -35,7 +35,8 @@ call goes down, through an engine, and up into a server's operation)::
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
     transport                             the seam: frames in, frames out
-    auth, wire, frame, factory, errors    secrets and MACs; the body codec; the layout
+    auth, wire, frame, factory, errors,   secrets and MACs; the body codec; the layout;
+    balance                               which replica a fleet expert's call takes
 
 Backward strategies, per server: ``stateless`` (default; the client sends the
 inputs back and the server recomputes under the same seed, so dropout masks
@@ -124,10 +125,13 @@ dynamic world (no ``world_size``); servers join and leave it while it runs
 (:class:`ElasticServer`, ``python -m moe_autograd serve --join``), publish
 their experts by name (signed with the job's secret), and clients call
 :class:`FleetExpert`\\ s, which resolve a name to a live, admitted replica
-per call (see the README's elastic section).
+per call, chosen by measured latency and calls in flight
+(:class:`ReplicaBalancer`, ``balance="latency"``, the default) or by age
+(``balance="order"``; see the README's "Replica choice").
 """
 from . import batch_server  # noqa: F401 - registers the "batch" and "collect" operations
 from .auth import JobSecret, MissingSecretError, job_secret, security_stats, set_job_secret
+from .balance import BALANCE_POLICIES, ReplicaBalancer
 from .channel import call_operation
 from .client import RemoteCall, RemoteExpert, flush_releases
 from .elastic import ElasticServer
@@ -150,4 +154,5 @@ __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertEr
            "RayExpertServer", "RayTransport", "RayFleet", "RayAuthError", "RpcTransport",
            "AutoTransport", "get_transport", "set_transport", "JobSecret", "MissingSecretError",
            "job_secret", "set_job_secret", "security_stats", "register_operation",
-           "unregister_operation", "call_operation", "start_rpc"]
+           "unregister_operation", "call_operation", "start_rpc", "ReplicaBalancer",
+           "BALANCE_POLICIES"]

@@ -122,7 +122,7 @@ def cmd_discover(trainer: _Trainer) -> Dict[str, Any]:
 def cmd_begin_inflight(trainer: _Trainer) -> str:
     fleet = trainer.fleet
     x = torch.randn(2, WIDTH, requires_grad=True)
-    slow = fleet.expert("slow", forward_timeout=10.0)
+    slow = fleet.expert("slow", forward_timeout=10.0, balance="order")
     slow.last_worker = "srv_cli"  # tried first: the call to the leaving server
     result: Dict[str, Any] = {}
 
@@ -133,7 +133,7 @@ def cmd_begin_inflight(trainer: _Trainer) -> str:
             result["slow"] = ("error", repr(error), None)
     thread = threading.Thread(target=run)
     thread.start()
-    lin = fleet.expert("lin", forward_timeout=5.0, backward_timeout=5.0)
+    lin = fleet.expert("lin", forward_timeout=5.0, backward_timeout=5.0, balance="order")
     lin.last_worker = "srv_cli"  # the stateful forward goes to the leaving server
     y = lin(x)
     trainer.pending.update(thread=thread, result=result, y=y, x=x, lin_worker=lin.last_worker)
@@ -244,8 +244,9 @@ def cmd_stop_training(trainer: _Trainer) -> Dict[str, Any]:
 
 def cmd_call(trainer: _Trainer, name: str, forward_timeout: float = 2.0,
              prefer: Optional[str] = None) -> Dict[str, Any]:
-    expert = trainer.fleet.expert(name, forward_timeout=forward_timeout)
-    expert.last_worker = prefer  # tried first if it is a candidate
+    expert = trainer.fleet.expert(name, forward_timeout=forward_timeout,
+                                  balance="latency" if prefer is None else "order")
+    expert.last_worker = prefer  # tried first if it is a candidate ("order")
     start = time.monotonic()
     try:
         expert(torch.randn(2, WIDTH))

@@ -220,7 +220,9 @@ def test_fleet_expert_retries_on_a_live_replica() -> None:
     server = ExpertServer({"fleet_unit_lin": module}, backward="stateful", transport=transport)
     try:
         fleet = _StubFleet(["gone", "good"], transport)
-        expert = FleetExpert(fleet, "fleet_unit_lin", forward_timeout=5.0)  # type: ignore[arg-type]
+        # "order": last_worker is tried first (the test forces a replica with it)
+        expert = FleetExpert(fleet, "fleet_unit_lin", forward_timeout=5.0,  # type: ignore[arg-type]
+                             balance="order")
         x = torch.randn(2, 3, requires_grad=True)
         y = expert(x)
         torch.testing.assert_close(y, module(x))
@@ -259,7 +261,8 @@ def test_dropped_outputs_are_released_by_reference_counting() -> None:
     gc.disable()  # a state must be freed by reference counting, not by a GC pass
     try:
         fleet = _StubFleet(["gone", "good"], transport)
-        expert = FleetExpert(fleet, "fleet_unit_rc", forward_timeout=5.0)  # type: ignore[arg-type]
+        expert = FleetExpert(fleet, "fleet_unit_rc", forward_timeout=5.0,  # type: ignore[arg-type]
+                             balance="order")
         x = torch.randn(2, 3, requires_grad=True)
         expert(x)  # the replica that served is tried first
         assert transport.calls == ["gone", "good"]
