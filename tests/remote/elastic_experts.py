@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.remote import ElasticServer, ExpertServer, Fleet, NoLiveReplica
 from moe_autograd.remote.loopback import backend_options
+from remote_experts import BALANCED, SLOW_REPLICA_S, Balanced, balanced_calls
 
 WIDTH = 4
 DEAD_AFTER = 0.5
@@ -38,7 +39,15 @@ class Slow(nn.Module):
 
 
 def _experts(names: List[str]) -> Dict[str, nn.Module]:
-    return {n: Slow(1.0) if n == "slow" else nn.Linear(WIDTH, WIDTH) for n in names}
+    """``slow``: 1 s in forward; ``bal``: the replica-choice tests' expert
+    (``bal:slow``: its slow replica, served as ``bal``); others: a Linear."""
+    built: Dict[str, nn.Module] = {}
+    for n in names:
+        if n.startswith(BALANCED):
+            built[BALANCED] = Balanced(SLOW_REPLICA_S if n.endswith(":slow") else 0.0)
+        else:
+            built[n] = Slow(1.0) if n == "slow" else nn.Linear(WIDTH, WIDTH)
+    return built
 
 
 def cli_experts() -> Dict[str, nn.Module]:
@@ -116,6 +125,16 @@ def cmd_discover(trainer: _Trainer) -> Dict[str, Any]:
                                                      ("e0", "e1", "e2")},
             "served": served, "grad": bool(x.grad is not None and x.grad.abs().sum() > 0),
             "missing": missing}
+
+
+def cmd_balance(trainer: _Trainer, calls: int) -> Dict[str, Any]:
+    """Calls of :data:`BALANCED` (three replicas, one slow) through the
+    fleet's default balance, checked against local ones."""
+    expert = trainer.fleet.expert(BALANCED, forward_timeout=10.0, backward_timeout=10.0)
+    report = balanced_calls(expert, calls)
+    report["stats"] = expert.replica_stats()
+    report["replicas"] = trainer.fleet.replicas(BALANCED)
+    return report
 
 
 # -- in-flight calls across a clean leave -----------------------------------------------
