@@ -17,17 +17,23 @@ How
 balancer's own :class:`random.Random`, injected for tests), and the call goes
 to the one with the lower score::
 
-    score(replica) = (ewma_forward + ewma_backward) * (1 + in_flight(worker))
+    score(replica) = (ewma_forward + ewma_backward) * (1 + in_flight(replica))
 
 * ``ewma_forward`` / ``ewma_backward``: exponentially weighted moving
   averages (weight ``alpha`` on the newest sample) of the round trips this
   client observed for the expert on that replica: a forward from send to
   reply, and the backward of a call (it goes to the replica that ran the
   forward, so choosing a forward chooses its backward too);
-* ``in_flight(worker)``: the calls (forwards and backwards, of every expert)
-  that this client has sent to that server and not seen end: its queue as
-  this client knows it, the signal that spreads the concurrent calls of one
-  step before any latency was measured;
+* ``in_flight(replica)``: the calls of the expert (forwards and backwards)
+  that this client has sent to that replica and not seen end: its queue as
+  this client knows it, the signal that spreads concurrent calls of the same
+  expert (threads, pipelined steps, several layers sharing a fleet) at once,
+  before their latencies show it. Calls of *other* experts on the same
+  server are not counted: a server runs calls concurrently, so they slow a
+  replica only as far as its measured round trips say (counting them made
+  the four calls of one MoE step, each of another expert, look like a queue
+  of four and pushed calls onto a replica five times slower; the bench row
+  ``remote/replicas-slow-one`` measured it);
 * two random candidates rather than the best one: every client that knows
   the same numbers would otherwise pile onto the same replica (herding), and
   a replica whose estimate is stale still gets compared.
@@ -55,7 +61,7 @@ Invariants (each has a test in ``tests/remote/test_balance.py`` that names it):
    give the same choices (no other source of randomness or time is read).
 2. Thread-safe: one lock guards every entry and counter; :meth:`choose`
    counts the chosen call in flight under that lock, so concurrent choosers
-   see each other's calls.
+   of the same expert see each other's calls.
 3. Every call counted in flight (:meth:`choose`, :meth:`begin`) is ended
    exactly once by its caller (:meth:`end`), whatever the outcome; a count
    never goes below zero.
@@ -141,7 +147,7 @@ class ReplicaBalancer:
         self.clock = clock
         self._lock = threading.Lock()
         self._entries: Dict[Tuple[str, str], _Entry] = {}
-        self._in_flight: Dict[str, int] = {}
+        self._in_flight: Dict[Tuple[str, str], int] = {}  # (expert, worker) -> calls
 
     def __getstate__(self) -> Dict[str, Any]:  # a copy starts afresh (no lock to copy)
         return {"alpha": self.alpha, "probe_after": self.probe_after}
@@ -172,15 +178,15 @@ class ReplicaBalancer:
             entries = [self._entries.setdefault((expert, w), _Entry()) for w in candidates]
             due = [k for k, e in enumerate(entries) if self._due(e, now)]
             if due:  # unmeasured first, then stale or penalised replicas past their wait
-                k = min(due, key=lambda j: (self._in_flight.get(candidates[j], 0), j))
+                k = min(due, key=lambda j: (self._in_flight.get((expert, candidates[j]), 0), j))
                 entries[k].explored = now
             else:
-                k = self._draw(candidates, entries)
-            worker = candidates[k]
-            self._in_flight[worker] = self._in_flight.get(worker, 0) + 1
-            return worker
+                k = self._draw(expert, candidates, entries)
+            key = (expert, candidates[k])
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+            return candidates[k]
 
-    def _draw(self, candidates: Sequence[str], entries: List[_Entry]) -> int:
+    def _draw(self, expert: str, candidates: Sequence[str], entries: List[_Entry]) -> int:
         """Two choices among the candidates that are not penalised (all of
         them if every one is)."""
         pool = [k for k, e in enumerate(entries) if not e.streak] or list(range(len(entries)))
@@ -192,14 +198,17 @@ class ReplicaBalancer:
 
         def score(k: int) -> float:
             cost = entries[k].cost()
-            return (neutral if cost is None else cost) * (1 + self._in_flight.get(candidates[k], 0))
+            queue = self._in_flight.get((expert, candidates[k]), 0)
+            return (neutral if cost is None else cost) * (1 + queue)
         return b if score(b) < score(a) else a
 
-    def begin(self, worker: str) -> None:
-        """Counts a call to ``worker`` in flight that :meth:`choose` did not
-        (a backward, or a forward that another policy placed)."""
+    def begin(self, expert: str, worker: str) -> None:
+        """Counts a call of ``expert`` to ``worker`` in flight that
+        :meth:`choose` did not (a backward, or a forward that another policy
+        placed)."""
         with self._lock:
-            self._in_flight[worker] = self._in_flight.get(worker, 0) + 1
+            key = (expert, worker)
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
 
     def end(self, expert: str, worker: str, phase: str, seconds: float,
             ok: Optional[bool]) -> None:
@@ -209,11 +218,12 @@ class ReplicaBalancer:
         None (the call never reached the replica's judgement, e.g. its
         arguments could not travel: nothing recorded)."""
         with self._lock:
-            count = self._in_flight.get(worker, 0)
+            key = (expert, worker)
+            count = self._in_flight.get(key, 0)
             if count <= 1:
-                self._in_flight.pop(worker, None)
+                self._in_flight.pop(key, None)
             else:
-                self._in_flight[worker] = count - 1
+                self._in_flight[key] = count - 1
             if ok is None:
                 return
             now = self.clock()
@@ -251,16 +261,16 @@ class ReplicaBalancer:
                 del self._entries[key]
 
     # -- what it knows ----------------------------------------------------------------
-    def in_flight(self, worker: str) -> int:
-        """Calls this client has in flight to ``worker`` (all experts)."""
+    def in_flight(self, expert: str, worker: str) -> int:
+        """Calls of ``expert`` this client has in flight to ``worker``."""
         with self._lock:
-            return self._in_flight.get(worker, 0)
+            return self._in_flight.get((expert, worker), 0)
 
     def stats(self, expert: Optional[str] = None) -> Dict[str, Dict[str, Dict[str, Any]]]:
         """The balancer's view, ``{expert: {worker: {...}}}`` (one expert's
         alone with ``expert``): ``forward_ms`` / ``backward_ms`` (the moving
         averages; None until measured), ``in_flight`` (this client's calls
-        in flight to the worker, all experts), ``calls`` (forwards ended
+        of the expert in flight to the worker), ``calls`` (forwards ended
         there), ``backwards``, ``failures`` (calls of either pass that failed)
         and ``penalised`` (failures in a row, 0 when healthy)."""
         with self._lock:
@@ -271,6 +281,6 @@ class ReplicaBalancer:
                 out.setdefault(name, {})[worker] = {
                     "forward_ms": None if e.forward is None else e.forward * 1e3,
                     "backward_ms": None if e.backward is None else e.backward * 1e3,
-                    "in_flight": self._in_flight.get(worker, 0), "calls": e.calls,
+                    "in_flight": self._in_flight.get((name, worker), 0), "calls": e.calls,
                     "backwards": e.backwards, "failures": e.failures, "penalised": e.streak}
             return out

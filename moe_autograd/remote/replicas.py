@@ -191,7 +191,7 @@ class _Measured(RemoteExpert):
         if what != "backward":
             return job
         balancer, name, worker = self.balancer, self.name, self.worker
-        balancer.begin(worker)
+        balancer.begin(name, worker)
         started = balancer.clock()
         settled = threading.Lock()
         done: List[bool] = []
@@ -257,7 +257,7 @@ class FleetExpert(nn.Module):
         if self.balance == "latency":
             return self.balancer.choose(self.name, candidates)
         worker = preferred if preferred in candidates else candidates[0]
-        self.balancer.begin(worker)
+        self.balancer.begin(self.name, worker)
         return worker
 
     def forward(self, *args: Any) -> Outputs:  # type: ignore[override]

@@ -50,7 +50,7 @@ def _run(balancer: ReplicaBalancer, clock: Clock, latency: Dict[str, float], cal
         clock.now += latency[worker]
         balancer.end(expert, worker, "forward", latency[worker], worker not in fail)
         if worker not in fail:
-            balancer.begin(worker)
+            balancer.begin(expert, worker)
             clock.now += latency[worker]
             balancer.end(expert, worker, "backward", latency[worker], True)
     return chosen
@@ -115,7 +115,7 @@ def test_invariant_2_concurrent_choices_see_each_other() -> None:
     for t in threads:
         t.join(10.0)
     assert sorted(chosen) == workers
-    assert [balancer.in_flight(w) for w in workers] == [1, 1, 1]
+    assert [balancer.in_flight("e", w) for w in workers] == [1, 1, 1]
     for w in workers:
         balancer.end("e", w, "forward", 0.01, True)
 
@@ -127,7 +127,7 @@ def test_invariant_2_concurrent_choices_see_each_other() -> None:
     for t in threads:
         t.join(10.0)
     counts = [chosen.count(w) for w in workers]
-    assert sum(counts) == 30 and [balancer.in_flight(w) for w in workers] == counts
+    assert sum(counts) == 30 and [balancer.in_flight("e", w) for w in workers] == counts
     # two choices on equal latencies, by calls in flight: none gets more than
     # twice the others' (one replica would take all 30 without the counts)
     assert max(counts) <= 2 * min(counts) + 2, counts
@@ -138,13 +138,14 @@ def test_invariant_3_every_call_ends_once_and_counts_stay_positive() -> None:
     begin does not drive the count below zero; ``ok=None`` records nothing."""
     balancer, clock = _balancer()
     worker = balancer.choose("e", ["a"])
-    balancer.begin("a")
-    assert balancer.in_flight("a") == 2
+    balancer.begin("e", "a")
+    balancer.begin("other", "a")
+    assert balancer.in_flight("e", "a") == 2 and balancer.in_flight("other", "a") == 1
     balancer.end("e", worker, "forward", 0.0, None)  # never reached the replica
-    assert balancer.in_flight("a") == 1 and balancer.stats()["e"]["a"]["calls"] == 0
+    assert balancer.in_flight("e", "a") == 1 and balancer.stats()["e"]["a"]["calls"] == 0
     balancer.end("e", "a", "backward", 0.02, True)
     balancer.end("e", "a", "backward", 0.02, True)  # one too many
-    assert balancer.in_flight("a") == 0
+    assert balancer.in_flight("e", "a") == 0 and balancer.in_flight("other", "a") == 1
     assert balancer.stats()["e"]["a"]["in_flight"] == 0
 
 
@@ -199,16 +200,20 @@ def test_invariant_4_stale_estimate_is_replaced() -> None:
 
 
 def test_queue_length_weighs_in() -> None:
-    """The score is latency x (1 + calls in flight): a replica twice as fast
-    with three calls in flight loses to an idle one."""
+    """The score is latency x (1 + calls of the expert in flight there): a
+    replica twice as fast with three calls in flight loses to an idle one;
+    calls of other experts on the same server do not count."""
     balancer, clock = _balancer()
     _run(balancer, clock, {"a": 0.005, "b": 0.010}, 2)
     for _ in range(3):
-        balancer.begin("a")  # e.g. other experts' calls on the same server
+        balancer.begin("other", "a")  # another expert's calls on the same server
+    assert balancer.choose("e", ["a", "b"]) == "a"
+    for _ in range(2):
+        balancer.begin("e", "a")  # e.g. other threads' calls of the same expert
     assert balancer.choose("e", ["a", "b"]) == "b"
     balancer.end("e", "b", "forward", 0.01, True)
     for _ in range(3):
-        balancer.end("other", "a", "forward", 0.005, True)
+        balancer.end("e", "a", "forward", 0.005, True)
     assert balancer.choose("e", ["a", "b"]) == "a"
 
 
@@ -292,7 +297,7 @@ def test_fleet_expert_balances_and_keeps_backward_on_its_replica(backward: str) 
             x = torch.randn(2, 3, requires_grad=True)
             pending.append((x, expert(x), expert.last_worker))
         assert [w for _, _, w in pending[:3]] == ["r0", "r1", "r2"]  # explored in order
-        assert sum(balancer.in_flight(w) for w in fleet._replicas) == 0
+        assert sum(balancer.in_flight("bal_unit", w) for w in fleet._replicas) == 0
         for x, y, worker in reversed(pending):
             del transport.calls[:]
             y.sum().backward()
