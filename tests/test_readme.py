@@ -83,6 +83,7 @@ COMMANDS: Dict[str, List[str]] = {
     # 15 s and 76 s in bench --quick: their names are checked, the rows are not run.
     "python -m moe_autograd bench --only elastic": ["test_bench_groups"],
     "python -m moe_autograd bench --only ray-elastic": ["test_bench_groups"],
+    "python -m moe_autograd bench --only replicas": ["test_bench_groups"],
     "python -m moe_autograd demo --elastic": ["tests/test_demos.py::test_elastic_demo_small"],
     "python -m moe_autograd demo --elastic --engine ray":
         ["tests/remote/test_ray_demo.py::test_ray_elastic_demo_small"],
@@ -190,7 +191,7 @@ def test_extras() -> None:
 def test_bench_groups() -> None:
     from moe_autograd.bench import GROUPS
 
-    assert {"elastic", "ray-elastic"} <= set(GROUPS)
+    assert {"elastic", "ray-elastic", "replicas"} <= set(GROUPS)
 
 
 # -- the blocks run here ------------------------------------------------------------------
