@@ -130,7 +130,11 @@ def cmd_discover(trainer: _Trainer) -> Dict[str, Any]:
 def cmd_balance(trainer: _Trainer, calls: int) -> Dict[str, Any]:
     """Calls of :data:`BALANCED` (three replicas, one slow) through the
     fleet's default balance, checked against local ones."""
-    expert = trainer.fleet.expert(BALANCED, forward_timeout=10.0, backward_timeout=10.0)
+    fleet = trainer.fleet
+    deadline = time.monotonic() + 30.0
+    while len(fleet.replicas(BALANCED)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)  # a loaded machine may delay a server's beats past DEAD_AFTER
+    expert = fleet.expert(BALANCED, forward_timeout=10.0, backward_timeout=10.0)
     report = balanced_calls(expert, calls)
     report["stats"] = expert.replica_stats()
     report["replicas"] = trainer.fleet.replicas(BALANCED)

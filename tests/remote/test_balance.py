@@ -310,8 +310,10 @@ def test_fleet_expert_balances_and_keeps_backward_on_its_replica(backward: str) 
 
         # a replica that fails is penalised: retried elsewhere now, left out after
         transport.dead.append("r1")
+        balancer.forget("r1")  # as if it rejoined: explored by the next call, which fails
         for _ in range(6):
             expert(torch.randn(2, 3)).sum()
+        assert [w for w, _ in transport.calls].count("r1") == 1, transport.calls
         stats = expert.replica_stats()
         assert stats["r1"]["failures"] == 1 and stats["r1"]["penalised"] == 1, stats
         assert fleet.suspected == ["r1"] and expert.retries == 1
