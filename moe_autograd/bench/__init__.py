@@ -224,8 +224,8 @@ NOTES: Dict[str, str] = {
     "replicas": "Loopback RPC, an elastic fleet of 3 servers, latency emulated by sleeps "
                 "(5 ms per pass, 25 ms on the slow replica). The balancer explores each "
                 "replica once, then draws two and takes the lower (EWMA round trip x (1 + the "
-                "expert's calls in flight there)); the slow replica is re-probed every 5 s, "
-                "so a long run pays one slow step per 5 s and expert (the 'ratio of means' in "
+                "expert's calls in flight there)); the slow replica is re-probed every 10 s, "
+                "so a long run pays one slow step per 10 s and expert (the 'ratio of means' in "
                 "the note includes them).",
     "gpu": "ratio = variant / the loop block, one bf16 fwd+bwd step with the router, same "
            "routing and weights (moe_autograd.bench.gpu). Grouped GEMM runs every expert's "

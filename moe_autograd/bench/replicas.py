@@ -144,6 +144,7 @@ def _train(port: int, quick: bool, go: Dict[str, Any], joined: Any) -> List[Dict
         seconds = time.monotonic() - start
         stats = fleet.replica_stats()
         on_slow = {f: sum(stats[n]["slow"]["calls"] for n in names[f]) for f in "bc"}
+        probes = sum(stats[n]["slow"]["probes"] for n in names["b"])
         total = {f: sum(s["calls"] for n in names[f] for s in stats[n].values()) for f in "bc"}
         masked = sum(int(s["failures"]) + int(s["timeouts"])
                      for m in layers.values() for s in m.stats())
@@ -155,8 +156,9 @@ def _train(port: int, quick: bool, go: Dict[str, Any], joined: Any) -> List[Dict
             compare("remote/replicas-slow-one", samples, "fast", "slow", goal="<= 1.20",
                     note=f"{setting}; baseline = all 3 replicas fast; balance='latency'; "
                          f"calls on the slow replica: {on_slow['b']} of {total['b']} "
-                         f"(explorations and re-probes every "
-                         f"{fleet.balancer.probe_after:g} s); ratio of means "
+                         f"({probes} explorations and re-probes, one per "
+                         f"{fleet.balancer.probe_after:g} s and expert; "
+                         f"{on_slow['b'] - probes} won in draws); ratio of means "
                          f"{means['slow'] / means['fast']:.2f}; masked calls {masked}"),
             compare("remote/replicas-slow-one-order", samples, "fast", "order",
                     note=f"same, balance='order' (before issue 32: the oldest replica, here "

@@ -89,8 +89,8 @@ __all__ = ["ReplicaBalancer", "BALANCE_POLICIES", "check_balance", "ALPHA", "PRO
 #: ``"order"`` (the oldest live replica, sticking to the one that served
 #: last: the behaviour before issue 32).
 BALANCE_POLICIES = ("latency", "order")
-ALPHA = 0.3          # weight of the newest sample in the moving averages
-PROBE_AFTER_S = 5.0  # a replica without a call ending for this long is probed again
+ALPHA = 0.1          # weight of the newest sample in the moving averages
+PROBE_AFTER_S = 10.0  # a replica without a call ending for this long is probed again
 MAX_BACKOFF = 32     # a replica failing again and again is re-probed at most this much later
 
 
@@ -111,6 +111,7 @@ class _Entry:
     last: float = -math.inf           # when a call on it last ended (well or not)
     explored: float = -math.inf       # when it was last chosen to be explored
     calls: int = 0                    # forwards ended (well or not)
+    probes: int = 0                   # times chosen to be explored (not by a draw)
     backwards: int = 0                # backwards ended (well or not)
     failures: int = 0                 # calls (either pass) that failed
     streak: int = 0                   # failures in a row (0: not penalised)
@@ -180,6 +181,7 @@ class ReplicaBalancer:
             if due:  # unmeasured first, then stale or penalised replicas past their wait
                 k = min(due, key=lambda j: (self._in_flight.get((expert, candidates[j]), 0), j))
                 entries[k].explored = now
+                entries[k].probes += 1
             else:
                 k = self._draw(expert, candidates, entries)
             key = (expert, candidates[k])
@@ -271,8 +273,9 @@ class ReplicaBalancer:
         alone with ``expert``): ``forward_ms`` / ``backward_ms`` (the moving
         averages; None until measured), ``in_flight`` (this client's calls
         of the expert in flight to the worker), ``calls`` (forwards ended
-        there), ``backwards``, ``failures`` (calls of either pass that failed)
-        and ``penalised`` (failures in a row, 0 when healthy)."""
+        there), ``probes`` (forwards sent there to explore it, not won in a
+        draw), ``backwards``, ``failures`` (calls of either pass that
+        failed) and ``penalised`` (failures in a row, 0 when healthy)."""
         with self._lock:
             out: Dict[str, Dict[str, Dict[str, Any]]] = {}
             for (name, worker), e in sorted(self._entries.items()):
@@ -282,5 +285,5 @@ class ReplicaBalancer:
                     "forward_ms": None if e.forward is None else e.forward * 1e3,
                     "backward_ms": None if e.backward is None else e.backward * 1e3,
                     "in_flight": self._in_flight.get((name, worker), 0), "calls": e.calls,
-                    "backwards": e.backwards, "failures": e.failures, "penalised": e.streak}
+                    "probes": e.probes, "backwards": e.backwards, "failures": e.failures, "penalised": e.streak}
             return out

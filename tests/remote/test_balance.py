@@ -78,7 +78,8 @@ def test_slow_replica_gets_only_probes() -> None:
     assert len(probes) == 2, probes
     assert {"a", "b"} == set(chosen[3:]) - {"c"}
     stats = balancer.stats()["e"]
-    assert stats["c"]["calls"] == 2 and stats["c"]["forward_ms"] == pytest.approx(50.0)
+    assert stats["c"]["calls"] == 2 and stats["c"]["probes"] == 2  # both were explorations
+    assert stats["c"]["forward_ms"] == pytest.approx(50.0)
     assert stats["a"]["forward_ms"] == pytest.approx(10.0)
     assert stats["a"]["backward_ms"] == pytest.approx(10.0)
     assert all(s["in_flight"] == 0 for s in stats.values())

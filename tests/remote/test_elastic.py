@@ -469,7 +469,7 @@ def test_calls_avoid_a_slow_replica(fleet_world: _World) -> None:
     """Issue 32: three replicas of ``bal`` (srv_a stateless, srv_b stateful,
     srv_slow sleeping 50 ms in forward and in backward, server-side): each is
     explored once, then the slow one gets no call but a re-probe (one per
-    5 s), and every output and gradient equals the local expert's."""
+    10 s), and every output and gradient equals the local expert's."""
     fleet_world.start_server("srv_slow", ["bal:slow"])
     fleet_world.wait_server("srv_slow", timeout=90.0)
     report = fleet_world.call("balance", calls=30)

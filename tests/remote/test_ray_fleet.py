@@ -108,7 +108,7 @@ def test_ray_fleet_calls_avoid_a_slow_replica(ray_world: Dict[str, Any]) -> None
     """Issue 32 on Ray: three replicas of ``bal`` (the shared servers srv-a
     and srv-b, and bl-slow, which sleeps 50 ms in forward and in backward,
     server-side): each is explored once, then the slow one gets no call but
-    a re-probe (one per 5 s), and every output and gradient equals the local
+    a re-probe (one per 10 s), and every output and gradient equals the local
     expert's."""
     from moe_autograd.remote.ray_fleet import RayFleet
 
