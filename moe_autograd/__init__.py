@@ -40,7 +40,7 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .remote import (Compression, ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
                          MissingSecretError, NoLiveReplica, RayAuthError, RayExpertServer,
                          RayFleet, RayTransport, RemoteAuthError, RemoteExpert, RemoteExpertError,
-                         RemoteTimeoutError)
+                         RemoteTimeoutError, ReplicaBalancer)
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -73,6 +73,7 @@ __all__ = [
     "ElasticServer",
     "NoLiveReplica",
     "Compression",
+    "ReplicaBalancer",
 ]
 
 __version__ = "0.1.0"
@@ -99,6 +100,7 @@ _LAZY: Dict[str, str] = {
     "ElasticServer": ".remote",
     "NoLiveReplica": ".remote",
     "Compression": ".remote",
+    "ReplicaBalancer": ".remote",
 }
 
 

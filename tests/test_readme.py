@@ -87,6 +87,7 @@ COMMANDS: Dict[str, List[str]] = {
     "python -m moe_autograd bench --only ray-elastic": ["test_bench_groups"],
     "python -m moe_autograd bench --only remote": [  # minutes: its rows' parts are tested
         "test_bench_groups", "tests/test_bench_netns.py::test_rows_skip_with_the_reason"],
+    "python -m moe_autograd bench --only replicas": ["test_bench_groups"],
     "python -m moe_autograd demo --elastic": ["tests/test_demos.py::test_elastic_demo_small"],
     "python -m moe_autograd demo --elastic --engine ray":
         ["tests/remote/test_ray_demo.py::test_ray_elastic_demo_small"],
@@ -216,7 +217,7 @@ def test_extras() -> None:
 def test_bench_groups() -> None:
     from moe_autograd.bench import GROUPS
 
-    assert {"elastic", "ray-elastic"} <= set(GROUPS)
+    assert {"elastic", "ray-elastic", "replicas"} <= set(GROUPS)
 
 
 # -- the blocks run here ------------------------------------------------------------------

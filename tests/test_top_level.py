@@ -23,6 +23,7 @@ DEFINED_IN = {
     "ElasticServer": "moe_autograd.remote",
     "NoLiveReplica": "moe_autograd.remote",
     "Compression": "moe_autograd.remote",
+    "ReplicaBalancer": "moe_autograd.remote",
     "parallel_apply": "moe_autograd.parallel",
     "recompute_early": "moe_autograd.parallel",
     "map_with_parallel_backward": "moe_autograd.autograd",

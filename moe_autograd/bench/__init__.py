@@ -57,6 +57,11 @@ Groups
 ``ray-elastic``
     :mod:`.ray_elastic`: the same two rows with the fleet on Ray (RayFleet
     over named actors; skipped without ``ray``).
+``replicas``
+    :mod:`.replicas`: the MoE layer over fleet experts with three replicas
+    each, one of them 5x slower, against all three fast: replica choice by
+    measured latency (``remote/replicas-slow-one``) and by age (the old
+    behaviour).
 ``gpu``
     :mod:`.gpu`: one bf16 MoE training step on a GPU (Mixtral-like and many
     small experts): the expert loop, transformers' and torch's grouped GEMM,
@@ -136,6 +141,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
     "elastic": _external("elastic", f"{__name__}.elastic"),
     "ray-elastic": _external("ray-elastic", f"{__name__}.ray_elastic"),
+    "replicas": _external("replicas", f"{__name__}.replicas"),
     "gpu": lambda quick: _gpu(quick, "cuda"),
 }
 
@@ -216,6 +222,12 @@ NOTES: Dict[str, str] = {
                    "the fleet's churn (the start completing, RayFleet seeing it, calls moving; "
                    "a drain), not a worker importing torch; the fleet polls every 0.1 s and "
                    "re-reads the cluster at once when a name has no replica.",
+    "replicas": "Loopback RPC, an elastic fleet of 3 servers, latency emulated by sleeps "
+                "(5 ms per pass, 25 ms on the slow replica). The balancer explores each "
+                "replica once, then draws two and takes the lower (EWMA round trip x (1 + the "
+                "expert's calls in flight there)); the slow replica is re-probed every 10 s, "
+                "so a long run pays one slow step per 10 s and expert (the 'ratio of means' in "
+                "the note includes them).",
     "gpu": "ratio = variant / the loop block, one bf16 fwd+bwd step with the router, same "
            "routing and weights (moe_autograd.bench.gpu). Grouped GEMM runs every expert's "
            "matmuls in one kernel per projection without syncing with the host; the loop, "

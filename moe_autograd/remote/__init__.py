@@ -37,6 +37,7 @@ call goes down, through an engine, and up into a server's operation)::
     transport                             the seam: frames in, frames out
     auth, wire, frame, factory, errors,   secrets and MACs; the body codec; the layout;
     compression                           fp16 / bf16 / int8 codecs of tensors
+    balance                               which replica a fleet expert's call takes
 
 Backward strategies, per server: ``stateless`` (default; the client sends the
 inputs back and the server recomputes under the same seed, so dropout masks
@@ -132,10 +133,13 @@ dynamic world (no ``world_size``); servers join and leave it while it runs
 (:class:`ElasticServer`, ``python -m moe_autograd serve --join``), publish
 their experts by name (signed with the job's secret), and clients call
 :class:`FleetExpert`\\ s, which resolve a name to a live, admitted replica
-per call (see the README's elastic section).
+per call, chosen by measured latency and calls in flight
+(:class:`ReplicaBalancer`, ``balance="latency"``, the default) or by age
+(``balance="order"``; see the README's "Replica choice").
 """
 from . import batch_server  # noqa: F401 - registers the "batch" and "collect" operations
 from .auth import JobSecret, MissingSecretError, job_secret, security_stats, set_job_secret
+from .balance import BALANCE_POLICIES, ReplicaBalancer
 from .channel import call_operation
 from .client import RemoteCall, RemoteExpert, flush_releases
 from .compression import Compression
@@ -159,4 +163,5 @@ __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertEr
            "RayExpertServer", "RayTransport", "RayFleet", "RayAuthError", "RpcTransport",
            "AutoTransport", "get_transport", "set_transport", "JobSecret", "MissingSecretError",
            "job_secret", "set_job_secret", "security_stats", "register_operation",
-           "unregister_operation", "call_operation", "start_rpc", "Compression"]
+           "unregister_operation", "call_operation", "start_rpc", "Compression",
+           "ReplicaBalancer", "BALANCE_POLICIES"]

@@ -31,8 +31,8 @@ Lifecycle of a server as a fleet sees it (``events``: what is recorded, and logg
     unseen     not in the roster, or its entry or         no
                record is not signed with the secret
     published  a signed roster entry and record           no
-    admitted   it answered the sealed challenge as that   yes, while its beats move
-               rank (event "joined")                      (oldest first)
+    admitted   it answered the sealed challenge as that   yes, while its beats move (as
+               rank (event "joined")                      the experts' ``balance`` picks)
     refused    its answer to the challenge failed         no (event "refused", once per
                authentication                             incarnation)
     suspect    a call to it failed on the transport, or   no, for ``suspect_for`` seconds
@@ -62,10 +62,11 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 from . import membership, rpc_bind, stopping
 from .auth import JobSecret, resolve_secret
 from .compression import Compression, resolve as resolve_codec
+from .balance import ReplicaBalancer, check_balance
 from .channel import request
 from .errors import RemoteAuthError
 from .registry import BeatWatch, Registry, ServerRecord, observe_alive
-from .replicas import FleetEvent, FleetExpert, log_event
+from .replicas import FORGET_EVENTS, FleetEvent, FleetExpert, log_event
 from .transport import Transport, get_transport
 
 __all__ = ["Fleet", "CHALLENGE_EVERY_S"]
@@ -94,6 +95,12 @@ class Fleet:
     :class:`~moe_autograd.remote.JobSecret` (default: the process's).
     ``compression``: the codec its experts' tensors travel in (``None``: raw;
     ``"fp16"``, ``"bf16"``, ``"int8"``; one expert may say otherwise).
+    ``balance``: how its experts choose among live replicas by default,
+    ``"latency"`` (measured round trips and calls in flight) or ``"order"``
+    (the oldest, sticking to the last that served); ``balancer``: the
+    :class:`~moe_autograd.remote.ReplicaBalancer` they share (default: a
+    new one; pass one with a seeded ``rng`` for reproducible choices).
+    :meth:`replica_stats` is its view.
     """
 
     def __init__(self, raw: Any, name: str, rank: int, *, founder: bool,
@@ -102,13 +109,16 @@ class Fleet:
                  suspect_for: Optional[float] = None, reap: Optional[bool] = None,
                  ping_timeout: float = 1.0, member_timeout: float = 2.0,
                  token_stuck_after: float = 30.0, secret: Optional[JobSecret] = None,
-                 compression: Union[None, str, Compression] = None) -> None:
+                 compression: Union[None, str, Compression] = None,
+                 balance: str = "latency", balancer: Optional[ReplicaBalancer] = None) -> None:
         if dead_after <= 2 * beat_interval:
             raise ValueError(f"dead_after ({dead_after:g} s) must exceed two beat intervals "
                              f"({beat_interval:g} s)")
         self.name, self.rank, self.founder = membership.check_name(name), rank, founder
         self.secret = resolve_secret(secret)
         self.compression = resolve_codec(compression, "compression of Fleet")
+        self.balance = check_balance(balance, "balance of Fleet")
+        self.balancer = balancer if balancer is not None else ReplicaBalancer()
         self.transport: Transport = transport or get_transport()
         self.poll, self.beat_interval, self.dead_after = poll, beat_interval, dead_after
         self.suspect_for = dead_after if suspect_for is None else suspect_for
@@ -226,16 +236,24 @@ class Fleet:
     def expert(self, name: str, *, forward_timeout: Optional[float] = None,
                backward_timeout: Optional[float] = None,
                attempt_timeout: Optional[float] = None,
-               compression: Union[None, str, Compression] = None) -> FleetExpert:
+               compression: Union[None, str, Compression] = None,
+               balance: Optional[str] = None) -> FleetExpert:
         """A module that calls the expert ``name`` on a live replica.
-        ``compression``: its codec on the wire (``None``: the fleet's)."""
+        ``compression``: its codec on the wire (``None``: the fleet's);
+        ``balance``: this expert's policy (default: the fleet's)."""
         return FleetExpert(self, name, forward_timeout=forward_timeout,
                            backward_timeout=backward_timeout, attempt_timeout=attempt_timeout,
-                           compression=compression)
+                           compression=compression, balance=balance)
 
     def experts(self, names: Sequence[str], **options: Any) -> List[FleetExpert]:
         """:meth:`expert` for each name (e.g. the experts of a MixtureOfExperts)."""
         return [self.expert(name, **options) for name in names]
+
+    def replica_stats(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
+        """What the balancer measured, ``{expert: {worker: {forward_ms,
+        backward_ms, in_flight, calls, backwards, failures, penalised}}}``
+        (see :meth:`~moe_autograd.remote.ReplicaBalancer.stats`)."""
+        return self.balancer.stats()
 
     def wait_for(self, experts: Sequence[str], timeout: float = 30.0) -> None:
         """Blocks until every name in ``experts`` has a live replica."""
@@ -289,6 +307,8 @@ class Fleet:
         """Records ``event`` in ``events`` and logs it (``lost`` and
         ``refused`` as WARNING, the others INFO, on ``moe_autograd.remote.fleet``)."""
         self.events.append(event)
+        if event.kind in FORGET_EVENTS:
+            self.balancer.forget(event.worker)
         log_event(_log, f"fleet {self.name!r}", event)
 
     # -- the watch thread -----------------------------------------------------

@@ -22,8 +22,8 @@ Lifecycle of a server as a RayFleet sees it (``events``: what is recorded, and l
     --------  -----------------------------------------  ----------------------------------
     unseen    the actor starts (its name is registered;  no
               its info() waits for its __init__)
-    serving   a poll finds it and its sealed info()      yes (oldest first, then the
-              answers, sealed (event "joined")           replica that served last)
+    serving   a poll finds it and its sealed info()      yes (as the experts' ``balance``
+              answers, sealed (event "joined")           picks; listed oldest first)
     refused   its answer fails authentication (another   no; not asked again until its
               job's server, or an impostor; event        name leaves the cluster
               "refused")
@@ -74,10 +74,11 @@ from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from .auth import JobSecret, resolve_secret
 from .compression import Compression, resolve as resolve_codec
+from .balance import ReplicaBalancer, check_balance
 from .channel import Opened, request
 from .errors import RemoteAuthError
 from .ray_engine import NAMESPACE, RayTransport, _ray, short
-from .replicas import FleetEvent, FleetExpert, log_event
+from .replicas import FORGET_EVENTS, FleetEvent, FleetExpert, log_event
 from .transport import Transport, check_timeout
 
 __all__ = ["RayFleet", "POLL_WAIT_S"]
@@ -111,13 +112,18 @@ class RayFleet:
     ``lost``, ``gone``, ``refused``; see the module's table). ``compression``:
     the codec its experts' tensors travel in (``None``: raw; ``"fp16"``,
     ``"bf16"``, ``"int8"``; one expert may say otherwise).
+    ``lost``, ``gone``, ``refused``; see the module's table). ``balance`` and
+    ``balancer``: how its experts choose among serving replicas, as
+    :class:`~.fleet.Fleet`'s (``"latency"`` by default, or ``"order"``);
+    :meth:`replica_stats` is the balancer's view.
     """
 
     def __init__(self, namespace: str = NAMESPACE, *, poll: float = 0.5,
                  suspect_for: float = 2.0, info_timeout: float = 5.0,
                  transport: Optional[Transport] = None,
                  secret: Optional[JobSecret] = None,
-                 compression: Union[None, str, Compression] = None) -> None:
+                 compression: Union[None, str, Compression] = None, balance: str = "latency",
+                 balancer: Optional[ReplicaBalancer] = None) -> None:
         ray = _ray()
         if not ray.is_initialized():
             raise RuntimeError("Ray is not initialised in this process: call "
@@ -125,6 +131,8 @@ class RayFleet:
         self.namespace = namespace
         self.secret = resolve_secret(secret)
         self.compression = resolve_codec(compression, "compression of RayFleet")
+        self.balance = check_balance(balance, "balance of RayFleet")
+        self.balancer = balancer if balancer is not None else ReplicaBalancer()
         self.poll = check_timeout("poll of RayFleet", poll) or 0.5
         self.suspect_for = check_timeout("suspect_for of RayFleet", suspect_for) or 0.0
         self.info_timeout = check_timeout("info_timeout of RayFleet", info_timeout) or 5.0
@@ -292,6 +300,8 @@ class RayFleet:
         ``refused`` as WARNING, the others INFO, on
         ``moe_autograd.remote.ray_fleet``)."""
         self.events.append(event)
+        if event.kind in FORGET_EVENTS:
+            self.balancer.forget(event.worker)
         log_event(_log, f"Ray fleet {self.namespace!r}", event)
 
     def refresh(self) -> None:
@@ -360,15 +370,22 @@ class RayFleet:
     def expert(self, name: str, *, forward_timeout: Optional[float] = None,
                backward_timeout: Optional[float] = None,
                attempt_timeout: Optional[float] = None,
-               compression: Union[None, str, Compression] = None) -> FleetExpert:
+               compression: Union[None, str, Compression] = None,
+               balance: Optional[str] = None) -> FleetExpert:
         """A module that calls the expert ``name`` on a serving replica.
-        ``compression``: its codec on the wire (``None``: the fleet's)."""
+        ``compression``: its codec on the wire (``None``: the fleet's);
+        ``balance``: this expert's policy (default: the fleet's)."""
         return FleetExpert(self, name, forward_timeout=forward_timeout,
                            backward_timeout=backward_timeout, attempt_timeout=attempt_timeout,
-                           compression=compression)
+                           compression=compression, balance=balance)
 
     def experts(self, names: Sequence[str], **options: Any) -> List[FleetExpert]:
         return [self.expert(name, **options) for name in names]
+
+    def replica_stats(self) -> Dict[str, Dict[str, Dict[str, Any]]]:
+        """What the balancer measured, by expert and worker (see
+        :meth:`~moe_autograd.remote.ReplicaBalancer.stats`)."""
+        return self.balancer.stats()
 
     def wait_for(self, experts: Sequence[str], timeout: float = 30.0,
                  replicas: int = 1) -> None:

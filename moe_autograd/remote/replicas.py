@@ -5,6 +5,15 @@ engine (:class:`~.fleet.Fleet` on torch RPC, :class:`~.ray_fleet.RayFleet`
 on Ray), and the same :class:`FleetExpert` calls through either; neither
 fleet needs the other, so what they share sits here, below both.
 
+Which replica a call takes (``balance``, per fleet or per expert):
+``"latency"`` (the default) asks the fleet's
+:class:`~.balance.ReplicaBalancer`: two choices on each replica's measured
+round trips and this client's calls in flight to it (see :mod:`.balance`);
+``"order"`` takes the oldest live replica, and sticks to the one that served
+the name last. Either way every attempt and every backward is measured
+(:class:`_Measured`), so the balancer's view (:meth:`FleetExpert.replica_stats`)
+is kept whatever the policy.
+
 Invariants:
 
 * A forward is idempotent, so a failed attempt is retried on another live
@@ -16,30 +25,38 @@ Invariants:
   MoE layer treats it as a constant).
 * A name with no live replica fails at once with :class:`NoLiveReplica` (a
   :class:`RemoteExpertError`): the MoE layer masks it like a failing expert.
-* A retry on another replica, and a switch to another replica than the
-  one that served the name last, are logged at INFO on
-  ``moe_autograd.remote.replicas`` (at most one line per expert name every
-  10 s, with the count of those held back).
+* A retry on another replica, and a switch away from the replica that
+  served the name last when that one failed or is no longer live, are
+  logged at INFO on ``moe_autograd.remote.replicas`` (at most one line per
+  expert name every 10 s, with the count of those held back). Spreading
+  calls over healthy replicas (``balance="latency"``) is not a switch.
+* Every call counted in flight by the balancer (each attempt, each
+  backward) is ended exactly once, whatever its outcome (the attempt's
+  ``finally``; the backward's job settles once, on its answer, its failure
+  or its abandonment).
 * Every attempt is sealed with the fleet's job secret (``fleet.secret``):
   a fleet resolves only servers that proved it (see each fleet's admission).
 """
 import logging
+import threading
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Protocol, Sequence, Tuple, Union
 
 from torch import Tensor, nn
 
 from ..logs import RateLimit, held_back
 from .auth import JobSecret
+from .balance import ReplicaBalancer, check_balance
+from .batching import Job
 from .client import RemoteExpert
 from .compression import Compression, resolve as resolve_codec
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .transport import Transport, TransportError, check_timeout
 
 __all__ = ["FleetExpert", "FleetEvent", "NoLiveReplica", "Resolver", "caused_by_transport",
-           "log_event", "WARNING_EVENTS"]
+           "log_event", "WARNING_EVENTS", "FORGET_EVENTS"]
 
 Outputs = Union[Tensor, Tuple[Tensor, ...]]
 MAX_MESSAGE_CHARS = 600  # of a logged retry or switch
@@ -66,6 +83,9 @@ class FleetEvent:
 
 #: Event kinds that mean calls fail or are refused (WARNING); the others are INFO.
 WARNING_EVENTS = ("lost", "refused")
+#: Event kinds after which a fleet's balancer forgets what it measured of the
+#: server (a new incarnation, or one that is gone): it is explored afresh.
+FORGET_EVENTS = ("joined", "left", "reaped", "gone")
 
 
 def log_event(logger: logging.Logger, fleet: str, event: FleetEvent) -> None:
@@ -96,7 +116,12 @@ def caused_by_transport(error: BaseException) -> bool:
 
 class Resolver(Protocol):
     """What :class:`FleetExpert` needs of a fleet: :class:`~.fleet.Fleet` (torch RPC)
-    or :class:`~moe_autograd.remote.ray_fleet.RayFleet` (Ray)."""
+    or :class:`~moe_autograd.remote.ray_fleet.RayFleet` (Ray).
+
+    Optional: ``balancer`` (a :class:`~.balance.ReplicaBalancer` that the
+    fleet's experts share; without one, each expert keeps its own) and
+    ``balance`` (the policy its experts default to; ``"latency"`` without one).
+    """
 
     transport: Transport
 
@@ -114,6 +139,73 @@ class Resolver(Protocol):
     def _served(self, worker: str) -> None: ...
 
 
+class _TimedJob(Job):
+    """A backward's :class:`~.batching.Job` that tells the balancer when it
+    ends: settled once, on its answer (:meth:`outcome`: a sample, or a
+    failure for a server's error), its failure (:meth:`failure`) or its
+    abandonment (a deadline, Ctrl-C)."""
+
+    __slots__ = ("_settle",)
+    _settle: Callable[[Optional[bool]], None]
+
+    @classmethod
+    def adopt(cls, job: Job, settle: Callable[[Optional[bool]], None]) -> "_TimedJob":
+        timed = cls.__new__(cls)
+        for slot in Job.__slots__:
+            setattr(timed, slot, getattr(job, slot))
+        timed._settle = settle
+        abandon = job.abandon
+
+        def abandoned() -> None:
+            settle(False)
+            if abandon is not None:
+                abandon()
+        timed.abandon = abandoned
+        return timed
+
+    def outcome(self, reply: Any) -> Any:
+        try:
+            value = super().outcome(reply)
+        except BaseException:
+            self._settle(False)
+            raise
+        self._settle(True)
+        return value
+
+    def failure(self, error: BaseException) -> RemoteExpertError:
+        self._settle(False)
+        return super().failure(error)
+
+
+class _Measured(RemoteExpert):
+    """One attempt's :class:`RemoteExpert`: its backward (which goes to the
+    same replica) is counted in flight and timed for the balancer."""
+
+    def __init__(self, balancer: ReplicaBalancer, worker: str, name: str,
+                 **options: Any) -> None:
+        super().__init__(worker, name, **options)
+        self.balancer = balancer
+
+    def _job(self, what: str, message: Dict[str, Any], timeout: Optional[float],
+             decode: Any = None, abandon: Any = None) -> Job:
+        job = super()._job(what, message, timeout, decode, abandon)
+        if what != "backward":
+            return job
+        balancer, name, worker = self.balancer, self.name, self.worker
+        balancer.begin(name, worker)
+        started = balancer.clock()
+        settled = threading.Lock()
+        done: List[bool] = []
+
+        def settle(ok: Optional[bool]) -> None:
+            with settled:
+                if done:
+                    return
+                done.append(True)
+            balancer.end(name, worker, "backward", balancer.clock() - started, ok)
+        return _TimedJob.adopt(job, settle)
+
+
 class FleetExpert(nn.Module):
     """Calls the expert ``name`` on a live replica that ``fleet`` resolves.
 
@@ -128,12 +220,19 @@ class FleetExpert(nn.Module):
     ``compression``: the codec of its tensors on the wire (see
     :class:`~moe_autograd.remote.RemoteExpert`); ``None``: the fleet's
     ``compression``, ``"none"``: raw whatever the fleet's.
+    ``suspect_for``. ``balance``: how the replica is chosen, ``"latency"``
+    (measured round trips and calls in flight, the fleet's
+    :class:`~.balance.ReplicaBalancer`) or ``"order"`` (the oldest live
+    replica, sticking to ``last_worker``); default: the fleet's ``balance``.
+    ``last_worker`` is the replica of the latest successful forward;
+    ``retries`` counts attempts after a failure.
     """
 
     def __init__(self, fleet: Resolver, name: str, *, forward_timeout: Optional[float] = None,
                  backward_timeout: Optional[float] = None,
                  attempt_timeout: Optional[float] = None,
-                 compression: Union[None, str, Compression] = None) -> None:
+                 compression: Union[None, str, Compression] = None,
+                 balance: Optional[str] = None) -> None:
         super().__init__()
         self.fleet, self.name = fleet, name
         self.compression = resolve_codec(
@@ -145,19 +244,37 @@ class FleetExpert(nn.Module):
                                               backward_timeout)
         self.attempt_timeout = check_timeout(f"attempt_timeout of FleetExpert {name!r}",
                                              attempt_timeout)
+        self.balance = check_balance(getattr(fleet, "balance", "latency") if balance is None
+                                     else balance, f"balance of FleetExpert {name!r}")
+        shared = getattr(fleet, "balancer", None)
+        self.balancer: ReplicaBalancer = shared if shared is not None else ReplicaBalancer()
         self.last_worker: Optional[str] = None
         self.retries = 0
 
     def extra_repr(self) -> str:
-        return f"name={self.name!r}"
+        return f"name={self.name!r}, balance={self.balance!r}"
 
     def replicas(self) -> List[str]:
         return self.fleet.replicas(self.name)
+
+    def replica_stats(self) -> Dict[str, Dict[str, Any]]:
+        """The balancer's view of this name's replicas, by worker (see
+        :meth:`~.balance.ReplicaBalancer.stats`)."""
+        return self.balancer.stats(self.name).get(self.name, {})
+
+    def _choose(self, candidates: List[str], preferred: Optional[str]) -> str:
+        """The replica of the next attempt, counted in flight."""
+        if self.balance == "latency":
+            return self.balancer.choose(self.name, candidates)
+        worker = preferred if preferred in candidates else candidates[0]
+        self.balancer.begin(self.name, worker)
+        return worker
 
     def forward(self, *args: Any) -> Outputs:  # type: ignore[override]
         start = time.monotonic()
         deadline = None if self.forward_timeout is None else start + self.forward_timeout
         tried: List[str] = []
+        live: Optional[List[str]] = None  # the candidates of the first attempt
         # (worker, message, timed out): no exception objects are kept, since
         # their tracebacks hold frames whose locals (a later attempt's outputs,
         # hence its server-side state) only the cyclic GC would free.
@@ -169,14 +286,16 @@ class FleetExpert(nn.Module):
                 candidates = self.fleet.replicas(self.name)
             if not candidates:
                 raise self._no_replica(failures, start)
-            preferred = self.last_worker
-            worker = preferred if preferred in candidates else candidates[0]
+            if live is None:
+                live = list(candidates)
             limit = self.attempt_timeout
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise self._no_replica(failures, start, timed_out=True)
                 limit = left if limit is None else min(limit, left)
+            preferred = self.last_worker
+            worker = self._choose(candidates, preferred)
             tried.append(worker)
             if failures:
                 self.retries += 1
@@ -185,7 +304,9 @@ class FleetExpert(nn.Module):
             outputs, failure = self._attempt(worker, limit, args)
             if failure is None:
                 assert outputs is not None
-                if preferred is not None and worker != preferred:
+                if preferred is not None and worker != preferred and (
+                        self.balance == "order" or preferred not in live
+                        or any(w == preferred for w, _, _ in failures)):
                     self._say(f"now served by {worker!r} (was {preferred!r})")
                 self.last_worker = worker
                 self.fleet._served(worker)
@@ -205,21 +326,32 @@ class FleetExpert(nn.Module):
 
     def _attempt(self, worker: str, limit: Optional[float], args: Tuple[Any, ...]
                  ) -> Tuple[Optional[Outputs], Optional[Tuple[str, str, bool, bool]]]:
-        """One call on ``worker``: ``(outputs, None)`` or ``(None, (worker,
+        """One call on ``worker`` (counted in flight by :meth:`_choose`;
+        ended here, measured): ``(outputs, None)`` or ``(None, (worker,
         message, timed out, transport failure))``. A helper frame of its own,
         so that an exception's traceback never holds :meth:`forward`'s frame
         (whose locals end up holding a later attempt's outputs)."""
-        expert = RemoteExpert(worker, self.name, forward_timeout=limit,
-                              backward_timeout=self.backward_timeout,
-                              transport=self.fleet.transport, secret=self.fleet.secret,
-                              compression=self.compression)
+        balancer = self.balancer
+        ok: Optional[bool] = None
         try:
-            return expert(*args), None
-        except RemoteExpertError as error:
-            failure = (worker, str(error), isinstance(error, RemoteTimeoutError),
-                       caused_by_transport(error))
-            traceback.clear_frames(error.__traceback__)  # finished frames: free their locals
-            return None, failure
+            expert = _Measured(balancer, worker, self.name, forward_timeout=limit,
+                               backward_timeout=self.backward_timeout,
+                               transport=self.fleet.transport, secret=self.fleet.secret,
+                               compression=self.compression)
+            started = balancer.clock()
+            try:
+                outputs = expert(*args)
+            except RemoteExpertError as error:
+                ok = False
+                failure = (worker, str(error), isinstance(error, RemoteTimeoutError),
+                           caused_by_transport(error))
+                traceback.clear_frames(error.__traceback__)  # finished frames: free their locals
+                return None, failure
+            ok = True
+            return outputs, None
+        finally:
+            balancer.end(self.name, worker, "forward",
+                         balancer.clock() - started if ok is not None else 0.0, ok)
 
     def _no_replica(self, failures: Sequence[Tuple[str, str, bool]], start: float,
                     timed_out: bool = False) -> RemoteExpertError:

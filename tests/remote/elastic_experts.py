@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.remote import ElasticServer, ExpertServer, Fleet, NoLiveReplica
 from moe_autograd.remote.loopback import backend_options
+from remote_experts import BALANCED, SLOW_REPLICA_S, Balanced, balanced_calls
 
 WIDTH = 4
 DEAD_AFTER = 0.5
@@ -38,7 +39,15 @@ class Slow(nn.Module):
 
 
 def _experts(names: List[str]) -> Dict[str, nn.Module]:
-    return {n: Slow(1.0) if n == "slow" else nn.Linear(WIDTH, WIDTH) for n in names}
+    """``slow``: 1 s in forward; ``bal``: the replica-choice tests' expert
+    (``bal:slow``: its slow replica, served as ``bal``); others: a Linear."""
+    built: Dict[str, nn.Module] = {}
+    for n in names:
+        if n.startswith(BALANCED):
+            built[BALANCED] = Balanced(SLOW_REPLICA_S if n.endswith(":slow") else 0.0)
+        else:
+            built[n] = Slow(1.0) if n == "slow" else nn.Linear(WIDTH, WIDTH)
+    return built
 
 
 def cli_experts() -> Dict[str, nn.Module]:
@@ -118,11 +127,25 @@ def cmd_discover(trainer: _Trainer) -> Dict[str, Any]:
             "missing": missing}
 
 
+def cmd_balance(trainer: _Trainer, calls: int) -> Dict[str, Any]:
+    """Calls of :data:`BALANCED` (three replicas, one slow) through the
+    fleet's default balance, checked against local ones."""
+    fleet = trainer.fleet
+    deadline = time.monotonic() + 30.0
+    while len(fleet.replicas(BALANCED)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)  # a loaded machine may delay a server's beats past DEAD_AFTER
+    expert = fleet.expert(BALANCED, forward_timeout=10.0, backward_timeout=10.0)
+    report = balanced_calls(expert, calls)
+    report["stats"] = expert.replica_stats()
+    report["replicas"] = trainer.fleet.replicas(BALANCED)
+    return report
+
+
 # -- in-flight calls across a clean leave -----------------------------------------------
 def cmd_begin_inflight(trainer: _Trainer) -> str:
     fleet = trainer.fleet
     x = torch.randn(2, WIDTH, requires_grad=True)
-    slow = fleet.expert("slow", forward_timeout=10.0)
+    slow = fleet.expert("slow", forward_timeout=10.0, balance="order")
     slow.last_worker = "srv_cli"  # tried first: the call to the leaving server
     result: Dict[str, Any] = {}
 
@@ -133,7 +156,7 @@ def cmd_begin_inflight(trainer: _Trainer) -> str:
             result["slow"] = ("error", repr(error), None)
     thread = threading.Thread(target=run)
     thread.start()
-    lin = fleet.expert("lin", forward_timeout=5.0, backward_timeout=5.0)
+    lin = fleet.expert("lin", forward_timeout=5.0, backward_timeout=5.0, balance="order")
     lin.last_worker = "srv_cli"  # the stateful forward goes to the leaving server
     y = lin(x)
     trainer.pending.update(thread=thread, result=result, y=y, x=x, lin_worker=lin.last_worker)
@@ -244,8 +267,9 @@ def cmd_stop_training(trainer: _Trainer) -> Dict[str, Any]:
 
 def cmd_call(trainer: _Trainer, name: str, forward_timeout: float = 2.0,
              prefer: Optional[str] = None) -> Dict[str, Any]:
-    expert = trainer.fleet.expert(name, forward_timeout=forward_timeout)
-    expert.last_worker = prefer  # tried first if it is a candidate
+    expert = trainer.fleet.expert(name, forward_timeout=forward_timeout,
+                                  balance="latency" if prefer is None else "order")
+    expert.last_worker = prefer  # tried first if it is a candidate ("order")
     start = time.monotonic()
     try:
         expert(torch.randn(2, WIDTH))

@@ -103,6 +103,62 @@ class Failing(nn.Module):
         raise ValueError("boom from the expert")
 
 
+#: The expert name of the replica-choice tests, and the sleep of its slow replica.
+BALANCED = "bal"
+SLOW_REPLICA_S = 0.05
+
+
+class Balanced(nn.Module):
+    """``tanh(Linear(x))`` with the same weights on every replica (and in the
+    test's local reference); sleeps ``seconds`` in forward and again in
+    backward: the deterministic server-side delay of a slow replica."""
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH)
+        self.seconds = seconds
+        g = torch.Generator().manual_seed(32)
+        with torch.no_grad():
+            self.lin.weight.copy_(torch.randn(WIDTH, WIDTH, generator=g) * 0.4)
+            self.lin.bias.copy_(torch.randn(WIDTH, generator=g) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(self.lin(x))
+        return _SleepFn.apply(y, self.seconds, False) if self.seconds else y
+
+
+def balanced_experts() -> Dict[str, nn.Module]:
+    """A fast replica of :data:`BALANCED` (an experts factory)."""
+    return {BALANCED: Balanced()}
+
+
+def balanced_experts_slow() -> Dict[str, nn.Module]:
+    """The slow replica: :data:`SLOW_REPLICA_S` in forward and in backward."""
+    return {BALANCED: Balanced(SLOW_REPLICA_S)}
+
+
+def balanced_calls(expert: nn.Module, calls: int, seed: int = 0) -> Dict[str, Any]:
+    """``calls`` forward + backward calls of ``expert`` (a FleetExpert of
+    :data:`BALANCED`), one after another, each checked against the local
+    reference: the replica of each (``served``) and how many differed."""
+    local = Balanced()
+    g = torch.Generator().manual_seed(seed)
+    served: List[Any] = []
+    mismatches = 0
+    for _ in range(calls):
+        x = torch.randn(3, WIDTH, generator=g).requires_grad_()
+        lx = x.detach().clone().requires_grad_()
+        out = expert(x)
+        out.square().sum().backward()
+        ref = local(lx)
+        ref.square().sum().backward()
+        served.append(getattr(expert, "last_worker", None))
+        if not (torch.equal(out.detach(), ref.detach()) and x.grad is not None
+                and lx.grad is not None and torch.equal(x.grad, lx.grad)):
+            mismatches += 1
+    return {"served": served, "mismatches": mismatches}
+
+
 def mlp_drop() -> nn.Module:
     return nn.Sequential(nn.Linear(WIDTH, 16), nn.Dropout(0.5), nn.Tanh(), nn.Linear(16, WIDTH))
 
@@ -120,7 +176,8 @@ def setup_servers() -> List[ExpertServer]:
     sgd = lambda params: torch.optim.SGD(params, lr=0.1)  # noqa: E731
     stateless = dict(_family(""), slow=Sleepy(2.0, fwd=True, bwd=False),
                      slow_bwd=SlowBackward(2.0), failing=Failing(),
-                     ms2=Sleepy(0.002, fwd=True, bwd=False))  # test_remote_stragglers.py
+                     ms2=Sleepy(0.002, fwd=True, bwd=False),  # test_remote_stragglers.py
+                     bal=Balanced())  # BALANCED: test_ray_fleet.py's fast replicas
     return [
         ExpertServer(stateless),
         ExpertServer(_family("sf_"), backward="stateful", state_ttl=30.0),

@@ -220,7 +220,9 @@ def test_fleet_expert_retries_on_a_live_replica() -> None:
     server = ExpertServer({"fleet_unit_lin": module}, backward="stateful", transport=transport)
     try:
         fleet = _StubFleet(["gone", "good"], transport)
-        expert = FleetExpert(fleet, "fleet_unit_lin", forward_timeout=5.0)  # type: ignore[arg-type]
+        # "order": last_worker is tried first (the test forces a replica with it)
+        expert = FleetExpert(fleet, "fleet_unit_lin", forward_timeout=5.0,  # type: ignore[arg-type]
+                             balance="order")
         x = torch.randn(2, 3, requires_grad=True)
         y = expert(x)
         torch.testing.assert_close(y, module(x))
@@ -259,7 +261,8 @@ def test_dropped_outputs_are_released_by_reference_counting() -> None:
     gc.disable()  # a state must be freed by reference counting, not by a GC pass
     try:
         fleet = _StubFleet(["gone", "good"], transport)
-        expert = FleetExpert(fleet, "fleet_unit_rc", forward_timeout=5.0)  # type: ignore[arg-type]
+        expert = FleetExpert(fleet, "fleet_unit_rc", forward_timeout=5.0,  # type: ignore[arg-type]
+                             balance="order")
         x = torch.randn(2, 3, requires_grad=True)
         expert(x)  # the replica that served is tried first
         assert transport.calls == ["gone", "good"]
@@ -428,8 +431,8 @@ def fleet_world() -> Iterator[_World]:
     w.trainer.start()
     try:
         assert w._reply(90.0) == "ready"
-        w.start_server("srv_a", ["e0", "e1", "lin", "slow"])
-        w.start_server("srv_b", ["e0", "e2"], backward="stateful")
+        w.start_server("srv_a", ["e0", "e1", "lin", "slow", "bal"])
+        w.start_server("srv_b", ["e0", "e2", "bal"], backward="stateful")
         w.call("wait_for", experts=["e0", "e1", "e2", "lin", "slow"], timeout=90.0)
         yield w
         w.commands.put(("exit", {}))
@@ -459,6 +462,27 @@ def test_discovery_by_name(fleet_world: _World) -> None:
     assert report["grad"]
     message, seconds = report["missing"]
     assert "no live server hosts it" in message and seconds < 0.5, report["missing"]
+
+
+@pytest.mark.timeout(120)
+def test_calls_avoid_a_slow_replica(fleet_world: _World) -> None:
+    """Issue 32: three replicas of ``bal`` (srv_a stateless, srv_b stateful,
+    srv_slow sleeping 50 ms in forward and in backward, server-side): each is
+    explored once, then the slow one gets no call but a re-probe (one per
+    10 s), and every output and gradient equals the local expert's."""
+    fleet_world.start_server("srv_slow", ["bal:slow"])
+    fleet_world.wait_server("srv_slow", timeout=90.0)
+    report = fleet_world.call("balance", calls=30)
+    assert report["replicas"] == ["srv_a", "srv_b", "srv_slow"], report
+    served, stats = report["served"], report["stats"]
+    assert report["mismatches"] == 0, report
+    assert served[:3] == ["srv_a", "srv_b", "srv_slow"], served  # explored first, in order
+    assert served[3:].count("srv_slow") <= 1, served  # a count, not a time
+    assert stats["srv_slow"]["forward_ms"] > max(stats["srv_a"]["forward_ms"],
+                                                 stats["srv_b"]["forward_ms"]), stats
+    assert sum(s["calls"] for s in stats.values()) == 30, stats
+    assert sum(s["backwards"] for s in stats.values()) == 30, stats
+    assert all(s["in_flight"] == 0 and s["failures"] == 0 for s in stats.values()), stats
 
 
 @pytest.mark.timeout(120)

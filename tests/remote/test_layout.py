@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2] / "moe_autograd"
 #: docstring): a module may import only modules of lower layers.
 LAYERS: Dict[str, int] = {
     "errors": 0, "frame": 0, "compression": 0, "factory": 0, "deadlines": 0, "stopping": 0,
+    "balance": 0,
     "wire": 1, "auth": 1,
     "transport": 2, "rpc_bind": 2,
     "endpoint": 3,
@@ -29,7 +30,7 @@ LAYERS: Dict[str, int] = {
     "__init__": 13,
 }
 SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution"}
-CLIENT_SIDE = {"channel", "batching", "client", "replicas"}
+CLIENT_SIDE = {"channel", "batching", "client", "replicas", "balance"}
 
 
 def _module_name(path: Path) -> str:

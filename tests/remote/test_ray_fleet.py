@@ -1,7 +1,7 @@
 """The elastic fleet on Ray's membership (RayFleet + FleetExpert): discovery by
 name (of the servers that prove the job's secret only), replicas with forward
 retry, backward to the replica holding the state, drain on leave, a killed
-server masked, a replacement serving."""
+server masked, a replacement serving; calls avoiding a slow replica (issue 32)."""
 import os
 import signal
 import threading
@@ -78,19 +78,22 @@ def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
 
         # drain on leave: a held state is still served; no new call goes there
         x = torch.randn(2, rx.WIDTH, requires_grad=True)
-        out = expert(x)  # on fl-2 (last served), state held there
-        assert expert.last_worker == "fl-2"
+        out = expert(x)  # the state is held where it ran (fl-3 is explored first)
+        held = expert.last_worker
+        assert held in ("fl-2", "fl-3")
+        stays = "fl-3" if held == "fl-2" else "fl-2"
         result: Dict[str, Any] = {}
-        leaving = threading.Thread(target=lambda: result.update(servers[1].leave(
+        leaver = {"fl-2": servers[1], "fl-3": extra[-1]}[held]
+        leaving = threading.Thread(target=lambda: result.update(leaver.leave(
             drain_timeout=30.0, linger=0.5)))
         leaving.start()
         deadline = time.monotonic() + 10.0
-        while "fl-2" in fleet.replicas("f_lin") and time.monotonic() < deadline:
+        while held in fleet.replicas("f_lin") and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert fleet.replicas("f_lin") == ["fl-3"]  # unpublished while draining
+        assert fleet.replicas("f_lin") == [stays]  # unpublished while draining
         assert expert(torch.randn(2, rx.WIDTH)).shape == (2, rx.WIDTH)
-        assert expert.last_worker == "fl-3"
-        out.sum().backward()  # the backward goes to fl-2, which still holds the state
+        assert expert.last_worker == stays
+        out.sum().backward()  # the backward goes to the leaving one, which still holds the state
         assert x.grad is not None
         leaving.join(40.0)
         assert result == {"in_flight": 0, "live": 0}, result
@@ -98,4 +101,37 @@ def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
         if fleet is not None:
             fleet.shutdown()
         for server in servers + extra:
+            server.kill()
+
+
+def test_ray_fleet_calls_avoid_a_slow_replica(ray_world: Dict[str, Any]) -> None:
+    """Issue 32 on Ray: three replicas of ``bal`` (the shared servers srv-a
+    and srv-b, and bl-slow, which sleeps 50 ms in forward and in backward,
+    server-side): each is explored once, then the slow one gets no call but
+    a re-probe (one per 10 s), and every output and gradient equals the local
+    expert's."""
+    from moe_autograd.remote.ray_fleet import RayFleet
+
+    servers = start_servers([("bl-slow", "remote_experts:balanced_experts_slow")],
+                            ready_timeout=60.0)
+    fleet: Optional[RayFleet] = None
+    try:
+        fleet = RayFleet(poll=0.1, transport=ray_world["transport"])
+        fleet.wait_for([rx.BALANCED], timeout=20.0, replicas=3)
+        replicas = fleet.replicas(rx.BALANCED)
+        assert sorted(replicas) == ["bl-slow", "srv-a", "srv-b"], replicas
+        expert = fleet.expert(rx.BALANCED, forward_timeout=10.0, backward_timeout=10.0)
+        report = rx.balanced_calls(expert, 30)
+        served, stats = report["served"], fleet.replica_stats()[rx.BALANCED]
+        assert report["mismatches"] == 0, report
+        assert served[:3] == replicas, served  # explored first, in the fleet's order
+        assert served[3:].count("bl-slow") <= 1, served  # a count, not a time
+        assert stats["bl-slow"]["forward_ms"] > max(stats["srv-a"]["forward_ms"],
+                                                    stats["srv-b"]["forward_ms"]), stats
+        assert sum(s["calls"] for s in stats.values()) == 30, stats
+        assert all(s["in_flight"] == 0 and s["failures"] == 0 for s in stats.values()), stats
+    finally:
+        if fleet is not None:
+            fleet.shutdown()
+        for server in servers:
             server.kill()

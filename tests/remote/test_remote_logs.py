@@ -113,22 +113,32 @@ class _Fleet:
         pass
 
 
+@pytest.mark.parametrize("balance", ["order", "latency"])
 def test_a_fleet_expert_logs_its_retries_and_switches(
-        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, balance: str) -> None:
+    """A retry, and a switch away from a replica that failed, are logged;
+    with ``balance="latency"``, spreading calls over healthy replicas is not."""
     caplog.set_level(logging.INFO, logger="moe_autograd.remote.replicas")
     monkeypatch.setattr(_limit, "every", 0.0)
     fleet = _Fleet()
-    expert = FleetExpert(fleet, "logs_e")  # type: ignore[arg-type]
+    expert = FleetExpert(fleet, "logs_e", balance=balance)  # type: ignore[arg-type]
     down: List[str] = []
 
     def attempt(worker: str, limit: Optional[float], args: Any) -> Any:
-        if worker in down:
+        ok = worker not in down  # what _attempt tells the balancer: a is the faster
+        expert.balancer.end("logs_e", worker, "forward", 0.001 if worker == "a" else 0.002, ok)
+        if not ok:
             return None, (worker, f"{worker} is down", False, True)
         return torch.zeros(1), None
 
     monkeypatch.setattr(expert, "_attempt", attempt)
-    expert(torch.zeros(1))
+    expert(torch.zeros(1))  # a: the oldest, or the first unmeasured one
     assert expert.last_worker == "a" and not caplog.records
+    if balance == "latency":
+        expert(torch.zeros(1))  # b is explored (unmeasured): no switch logged
+        assert expert.last_worker == "b" and not caplog.records
+        expert(torch.zeros(1))  # back to the faster a: not logged either
+        assert expert.last_worker == "a" and not caplog.records
     down.append("a")
     expert(torch.zeros(1))  # a fails: retried on b, which now serves the name
     assert expert.last_worker == "b" and expert.retries == 1
