@@ -26,7 +26,7 @@ from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
 
 __all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "check_grads", "to_wire",
-           "trainable", "warm_up"]
+           "trainable", "warm_up", "grads_then_accumulate"]
 
 Grads = List[Optional[Tensor]]
 
@@ -89,15 +89,18 @@ def _outputs(result: Any) -> Tuple[List[Tensor], bool]:
 
 
 def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], seed: int, *,
-                grad: bool, keep_graph: bool) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
+                grad: bool, keep_graph: bool, rng: Optional[CallRng] = None
+                ) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
     """Runs the module; returns ``(leaves, outputs, single, differentiable)``.
 
     With ``keep_graph`` (stateful) the outputs carry the graph; otherwise the
     forward runs without grad (a checkpointed forward when ``grad``) and
     ``differentiable`` says which outputs a recomputation can differentiate.
+    ``rng``: the stream to run under (default ``CallRng(seed)``); its
+    ``drew`` says afterwards whether the expert drew random numbers.
     """
     leaves = make_leaves(args, flags, module_device(module))
-    rng = CallRng(seed)
+    rng = CallRng(seed) if rng is None else rng
     if keep_graph:
         with torch.enable_grad(), rng.activate():
             outputs, single = _outputs(module(*leaves))
@@ -110,10 +113,12 @@ def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], s
 
 
 def recompute(module: nn.Module, args: Sequence[Any], flags: Sequence[bool],
-              seed: int) -> Tuple[List[Any], List[Tensor]]:
-    """The stateless backward's forward: same seed, grad on, recomputing."""
+              seed: int, rng: Optional[CallRng] = None) -> Tuple[List[Any], List[Tensor]]:
+    """The stateless backward's forward: same seed, grad on, recomputing
+    (``rng`` as for :func:`run_forward`)."""
     leaves = make_leaves(args, flags, module_device(module))
-    with torch.enable_grad(), enable_recomputing(), CallRng(seed).activate():
+    with torch.enable_grad(), enable_recomputing(), \
+            (CallRng(seed) if rng is None else rng).activate():
         outputs, _ = _outputs(module(*leaves))
     return leaves, outputs
 
@@ -149,3 +154,32 @@ def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequen
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return [to_wire(leaf.grad) if isinstance(leaf, Tensor) and leaf.requires_grad else None
             for leaf in leaves]
+
+
+def grads_then_accumulate(module: nn.Module, leaves: Sequence[Any], outputs: Sequence[Tensor],
+                          grads: Sequence[Any]) -> Grads:
+    """:func:`run_backward` for a batch of calls (:mod:`.gather`): the same
+    gradients, but the parameters' are accumulated only once the whole
+    backward has succeeded, so that a batch that fails and is run again one
+    call at a time never accumulates a gradient twice. Computes the
+    gradients of the argument leaves and of ``module.parameters()`` with
+    ``autograd.grad``, then hands the parameters' to their real
+    ``AccumulateGrad`` nodes (``autograd.backward`` on the parameters
+    themselves: PyTorch's per-tensor lock, hooks as a plain backward). A
+    leaf outside ``module.parameters()`` that the expert reaches gets no
+    gradient (a plain backward would give it one)."""
+    check_grads(outputs, grads)
+    pairs = [(out, g.to(out.device)) for out, g in zip(outputs, grads)
+             if g is not None and out.requires_grad]
+    wanted = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
+    params: List[Tensor] = [p for p in module.parameters() if p.requires_grad]
+    if not pairs or not (wanted or params):
+        return [None for _ in leaves]
+    found = torch.autograd.grad([o for o, _ in pairs], wanted + params, [g for _, g in pairs],
+                                allow_unused=True)
+    reached = [(p, g) for p, g in zip(params, found[len(wanted):]) if g is not None]
+    if reached:
+        torch.autograd.backward([p for p, _ in reached], [g for _, g in reached])
+    by_leaf = {id(leaf): g for leaf, g in zip(wanted, found[:len(wanted)])}
+    return [to_wire(by_leaf.get(id(leaf))) if isinstance(leaf, Tensor) and leaf.requires_grad
+            else None for leaf in leaves]

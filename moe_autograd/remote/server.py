@@ -65,10 +65,12 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor, nn
 
+from ..rng import CallRng
 from . import endpoint
 from . import execution as ex
 from .auth import Caller, JobSecret, resolve_secret, security_stats
 from .endpoint import Reply, error_text
+from .gather import Gatherer, NotRowWise, Task, concat_rows, row_key, split_rows
 from .sizes import Tally, materialised_bytes
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
@@ -78,6 +80,7 @@ __all__ = ["ExpertServer", "run_job", "admit_request", "set_host_info", "host_in
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 Secrets = Union[None, JobSecret, Sequence[JobSecret]]
+BatchChoice = Union[bool, Sequence[str]]
 BACKWARDS = ("stateless", "stateful")
 NON_FINITE_POLICIES = ("skip", "raise")
 JOB_OPS = ("forward", "backward")
@@ -95,6 +98,8 @@ class _Hosted:
     optimizer: Optional[torch.optim.Optimizer]
     lock: threading.Lock = field(default_factory=threading.Lock)
     skipped_steps: int = 0  # steps skipped for non-finite gradients (under ``lock``)
+    gather: Optional[Gatherer] = None  # batching across calls (opted in), see .gather
+    draws: bool = False  # a batch of it drew random numbers: its calls run alone since
 
 
 _experts: Dict[str, _Hosted] = {}
@@ -120,6 +125,21 @@ def _positive_bytes(name: str, value: Optional[int]) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive number of bytes or None, got {value!r}")
     return value
+
+
+def _batched_names(choice: BatchChoice, experts: Mapping[str, nn.Module]) -> Set[str]:
+    """The experts ``batch_across_calls`` opts in: all (True), none (False),
+    or those named (each must be one of ``experts``)."""
+    if isinstance(choice, bool):
+        return set(experts) if choice else set()
+    if isinstance(choice, str) or not all(isinstance(n, str) for n in choice):
+        raise TypeError("batch_across_calls must be a bool or a list of expert names, got "
+                        f"{choice!r:.80}")
+    unknown = sorted(set(choice) - set(experts))
+    if unknown:
+        raise ValueError(f"batch_across_calls names experts {unknown} that this server does "
+                         f"not serve ({sorted(experts)})")
+    return set(choice)
 
 
 def _secrets(secret: Secrets) -> List[JobSecret]:
@@ -174,6 +194,8 @@ class ExpertServer:
                  max_request_bytes: Optional[int] = 256 * MiB,
                  max_state_bytes: Optional[int] = 1024 * MiB,
                  non_finite_grads: str = "skip", secret: Secrets = None,
+                 batch_across_calls: BatchChoice = False, batch_window: float = 0.0,
+                 max_batch_rows: Optional[int] = None,
                  transport: Optional[Transport] = None) -> None:
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
@@ -183,6 +205,14 @@ class ExpertServer:
         for name, module in experts.items():
             if not isinstance(name, str) or not isinstance(module, nn.Module):
                 raise TypeError(f"experts must map str to nn.Module, got {name!r}: {type(module)}")
+        batched = _batched_names(batch_across_calls, experts)
+        if not (isinstance(batch_window, (int, float)) and not isinstance(batch_window, bool)
+                and 0 <= batch_window <= 60.0):  # also refuses nan
+            raise ValueError(f"batch_window must be seconds in [0, 60], got {batch_window!r}")
+        if max_batch_rows is not None and (isinstance(max_batch_rows, bool) or not isinstance(
+                max_batch_rows, int) or max_batch_rows < 1):
+            raise ValueError(f"max_batch_rows must be a positive int or None, got "
+                             f"{max_batch_rows!r}")
         self.secrets = _secrets(secret)
         self.jobs: Set[bytes] = {s.key_id for s in self.secrets}
         self.max_request_bytes = _positive_bytes("max_request_bytes", max_request_bytes)
@@ -198,8 +228,12 @@ class ExpertServer:
         self._idle = threading.Condition()
         self._served = {"forward": 0, "backward": 0, "failed": 0}  # under _idle
         hosted = {name: _Hosted(name, module, self,
-                                optimizer(module.parameters()) if optimizer else None)
+                                optimizer(module.parameters()) if optimizer else None,
+                                gather=Gatherer(float(batch_window), max_batch_rows)
+                                if name in batched else None)
                   for name, module in experts.items()}
+        self.batched: List[str] = [name for name in experts if name in batched]
+        self.batch_window, self.max_batch_rows = float(batch_window), max_batch_rows
         with _registry_lock:
             taken = sorted(set(hosted) & set(_experts))
             if taken:
@@ -260,9 +294,25 @@ class ExpertServer:
                                 "skipped_steps": sum(h.skipped_steps for h in self._hosted),
                                 "non_finite_grads": self.non_finite_grads,
                                 "auth_refused": security_stats()["refused"],
-                                "served": self.served()}
+                                "served": self.served(), "batch_across_calls": list(self.batched)}
+        base.update(self.batch_stats())
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
+
+    def batch_stats(self) -> Dict[str, int]:
+        """Batching across calls, summed over this server's experts (zeros
+        when none opted in): ``batches``, kernel runs that served two calls
+        or more; ``batched_calls``, the calls they served; ``unbatched_calls``,
+        calls of opted-in experts that ran alone (nothing else pending of their
+        key, or no key: see :func:`~.gather.row_key`); ``batch_fallbacks``,
+        groups that ran one by one after all (an error in the batch, outputs
+        not row-wise, random numbers drawn)."""
+        total = {"batches": 0, "batched_calls": 0, "unbatched_calls": 0, "batch_fallbacks": 0}
+        for hosted in self._hosted:
+            if hosted.gather is not None:
+                for key, value in hosted.gather.stats().items():
+                    total[key] += value
+        return total
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops serving: new requests fail at once, requests in flight get up
@@ -411,6 +461,12 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     if keep:
         assert store is not None
         store.check_new(owner, call_id, hosted.name)  # a duplicate is refused before running
+    elif hosted.gather is not None:
+        found = None if hosted.draws else row_key(args, flags, extra=("forward", grad))
+        if found is not None:
+            return hosted.gather.run(found[0], found[1], (args, flags, seed, grad),
+                                     lambda tasks: _forwards(hosted, tasks))
+        hosted.gather.count(unbatched_calls=1)
     leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed,
                                                    grad=grad, keep_graph=keep)
     mode = "none" if not any(diff) else "stateful" if keep else "stateless"
@@ -455,17 +511,112 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
                            lambda s: ex.check_grads(s.outputs, grads))
         leaves, outputs = state.leaves, state.outputs
     else:
-        leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
+        if hosted.gather is not None:
+            # Under auto_step every backward is one optimizer step: never batched.
+            found = None if hosted.draws or hosted.server.auto_step \
+                else row_key(args, flags, grads, extra=("backward",))
+            if found is not None:
+                return [hosted.gather.run(found[0], found[1], (args, flags, seed, grads),
+                                          lambda tasks: _backwards(hosted, tasks)), None]
+            hosted.gather.count(unbatched_calls=1)
+        if not hosted.server.auto_step:
+            leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
     if not hosted.server.auto_step:
         return [ex.run_backward(leaves, outputs, grads), None]
     assert hosted.optimizer is not None
     with hosted.lock:
         try:
+            if args is not None:  # recomputed under the lock: no step between it and backward
+                leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
             result = ex.run_backward(leaves, outputs, grads)
             note = _step(hosted)
         finally:
             hosted.optimizer.zero_grad()
     return [result, note]
+
+
+# -- batching across calls (see .gather) ---------------------------------------------------
+# A group's tasks carry (args, flags, seed, grad) for a forward, (args, flags,
+# seed, grads) for a stateless backward: the fields its single-call request
+# had, already checked (ids, types, byte limits) in that call's own thread.
+def _forward_alone(hosted: _Hosted, task: Task) -> List[Any]:
+    args, flags, seed, grad = task.payload
+    _, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed, grad=grad,
+                                              keep_graph=False)
+    mode = "none" if not any(diff) else "stateless"
+    return [[ex.to_wire(o) for o in outputs], single, diff, mode]
+
+
+def _backward_alone(hosted: _Hosted, task: Task) -> Any:
+    args, flags, seed, grads = task.payload
+    leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
+    return ex.run_backward(leaves, outputs, grads)
+
+
+def _one_by_one(hosted: _Hosted, tasks: List[Task], alone: Callable[[_Hosted, Task], Any],
+                fallback: bool) -> None:
+    """Each task as its single-call request would run it: its own result or
+    error, whatever the others' (a failing job never fails another's call)."""
+    assert hosted.gather is not None
+    hosted.gather.count(unbatched_calls=len(tasks), batch_fallbacks=int(fallback))
+    for task in tasks:
+        try:
+            task.finish(alone(hosted, task))
+        except Exception as error:  # noqa: BLE001 - this call's own error reply
+            task.finish(error=error)
+
+
+def _drew(hosted: _Hosted, rng: CallRng) -> None:
+    """Random numbers drawn in a batch: each call has its own stream, so the
+    batch cannot stand for its calls; the expert's calls run alone from now on."""
+    if rng.drew:
+        hosted.draws = True
+        raise NotRowWise(f"expert {hosted.name!r} draws random numbers (each call has its own "
+                         "random stream): its calls are not batched across calls")
+
+
+def _forwards(hosted: _Hosted, tasks: List[Task]) -> None:
+    """Runs a group of forwards (same key) as one forward of their rows."""
+    if len(tasks) == 1:
+        return _one_by_one(hosted, tasks, _forward_alone, False)
+    _, flags, seed, grad = tasks[0].payload
+    rows = [t.rows for t in tasks]
+    try:
+        rng = CallRng(seed)
+        _, outputs, single, diff = ex.run_forward(
+            hosted.module, concat_rows([t.payload[0] for t in tasks]), flags, seed, grad=grad,
+            keep_graph=False, rng=rng)
+        _drew(hosted, rng)
+        parts = split_rows([ex.to_wire(o) for o in outputs], rows, "output")
+    except Exception:  # noqa: BLE001 - one call may be the cause: each runs alone
+        return _one_by_one(hosted, tasks, _forward_alone, True)
+    hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
+    mode = "none" if not any(diff) else "stateless"
+    for task, part in zip(tasks, parts):
+        task.finish([part, single, diff, mode])
+
+
+def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
+    """Runs a group of stateless backwards (same key) as one recomputation
+    and one backward of their rows; parameter gradients accumulate once, as
+    the sum of the calls' (see :func:`~.execution.grads_then_accumulate`)."""
+    if len(tasks) == 1:
+        return _one_by_one(hosted, tasks, _backward_alone, False)
+    _, flags, seed, _ = tasks[0].payload
+    rows = [t.rows for t in tasks]
+    try:
+        rng = CallRng(seed)
+        leaves, outputs = ex.recompute(hosted.module, concat_rows([t.payload[0] for t in tasks]),
+                                       flags, seed, rng=rng)
+        _drew(hosted, rng)
+        split_rows(outputs, rows, "output")  # row-wise outputs, before any gradient moves
+        grads = concat_rows([t.payload[3] for t in tasks])
+        found = ex.grads_then_accumulate(hosted.module, leaves, outputs, grads)
+    except Exception:  # noqa: BLE001 - nothing accumulated: each runs alone
+        return _one_by_one(hosted, tasks, _backward_alone, True)
+    hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
+    for task, part in zip(tasks, split_rows(found, rows, "input gradient")):
+        task.finish(part)
 
 
 def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
@@ -522,7 +673,8 @@ def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
     if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
-                    expert_skipped_steps=hosted.skipped_steps)
+                    expert_skipped_steps=hosted.skipped_steps,
+                    expert_batches=hosted.gather.stats() if hosted.gather is not None else None)
     raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "
                      f"one of {_CONTROL}")
 
