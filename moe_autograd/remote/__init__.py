@@ -31,7 +31,8 @@ call goes down, through an engine, and up into a server's operation)::
     client, batching                      RemoteExpert; one request per server and pass
     batch_server, server                  a server's operations (registered in endpoint)
     registry, membership, state, sizes,   the fleet's signed records; dynamic RPC worlds;
-    execution, deadlines, stopping        held states; byte counts; running a call
+    execution, gather, deadlines,         held states; byte counts; running a call;
+    stopping                              many trainers' calls batched into one
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
     transport                             the seam: frames in, frames out

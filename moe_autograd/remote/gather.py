@@ -9,24 +9,29 @@ only on row ``i`` of the inputs: ``Linear``, MLPs, attention within a
 sequence, ``LayerNorm``; NOT ``BatchNorm`` in train mode or anything that
 mixes rows), the calls' inputs can be concatenated along the first dimension,
 run once, and the outputs split back: each call gets the rows it would have
-got alone. hivemind's servers do this with their task pools (a runtime
-thread takes what the pools gathered); here the first call of a group leads
-it instead, so no thread is added.
+got alone. hivemind's servers do this with their task pools: a runtime
+thread per device takes a batch from the pool whose tasks waited longest,
+runs it, and takes the next one, so the calls that arrive while the device
+is busy form the next batch. Here the calls of an expert also run one group
+at a time, but the thread of the group's first call runs it, so no thread
+is added.
 
 How (one :class:`Gatherer` per opted-in expert)::
 
     caller thread (one per request)        the gatherer (under one condition)
     -------------------------------------  -----------------------------------------
-    submit(key, rows, payload)             appended to pending[key]; waiters woken
-    no group of key running                this thread leads: waits up to ``window``
-                                           seconds (or until ``max_rows`` rows are
-                                           pending), then takes its own task and the
-                                           others pending (FIFO, within max_rows)
+    run(key, rows, payload)                appended to the queue (all keys, oldest
+                                           first); waiters woken
+    no group running                       this thread leads: waits up to ``window``
+                                           seconds (or until ``max_rows`` rows of its
+                                           key are pending), then takes its own task
+                                           and the others of its key (oldest first,
+                                           within max_rows)
     the leader runs the group              execute(tasks): each task gets its result
-                                           or its error; then the next group of the
-                                           key may start (a waiting task leads it)
-    a group of key is running              the task waits for its result (the leader
-                                           may take it), or to lead the next group
+                                           or its error; then the oldest task still
+                                           queued (any key) leads the next group
+    a group is running                     the task waits for its result (a group of
+                                           its key may take it), or to lead
 
 A *key* (:func:`row_key`) says which calls can share a kernel call: the same
 operation, the same requires-grad flags, the same types and values of the
@@ -40,9 +45,11 @@ Invariants:
 
 * A task is completed exactly once (a result or an error), whatever
   ``execute`` does: a group's tasks that ``execute`` left open get its error.
-* At most one group per key runs at a time (calls of other keys of the same
-  expert still run concurrently); every task either leads a group or is
-  completed by one: no task waits on a group that will not take it.
+* At most one group of an expert runs at a time (as on one device; calls of
+  other experts are not held back); every task either leads a group or is
+  completed by one: when a group ends, the oldest queued task leads the
+  next, so no task waits on a group that will not take it, and keys are
+  served in the order their calls came.
 * Rows are split back in the order they were concatenated (:func:`concat_rows`,
   :func:`split_rows`); :func:`split_rows` refuses outputs whose first
   dimension is not the group's total rows (an expert that is not row-wise in
@@ -52,6 +59,7 @@ Invariants:
 """
 import threading
 import time
+from collections import OrderedDict, deque
 from typing import Any, Callable, Dict, Hashable, List, Optional, Sequence, Tuple
 
 import torch
@@ -60,6 +68,8 @@ from torch import Tensor
 __all__ = ["Gatherer", "Task", "row_key", "concat_rows", "split_rows", "NotRowWise"]
 
 _SCALARS = (bool, int, float, str, type(None))
+RECENT = 8      # a key's expected group: the largest of its last RECENT groups
+_KEYS = 64      # keys whose recent groups are remembered, per expert
 
 
 class NotRowWise(ValueError):
@@ -69,14 +79,17 @@ class NotRowWise(ValueError):
 
 
 class Task:
-    """One call waiting in a :class:`Gatherer`: its ``payload`` (what the
-    server needs to run it), its ``rows``, and, once done, its result or error."""
+    """One call waiting in a :class:`Gatherer`: its ``key``, ``payload``
+    (what the server needs to run it), ``rows``, whether it ``leads`` the
+    next group, and, once done, its result or error."""
 
-    __slots__ = ("payload", "rows", "done", "result", "error")
+    __slots__ = ("key", "payload", "rows", "leads", "done", "result", "error")
 
-    def __init__(self, payload: Any, rows: int) -> None:
+    def __init__(self, key: Hashable, payload: Any, rows: int) -> None:
+        self.key = key
         self.payload = payload
         self.rows = rows
+        self.leads = False
         self.done = False
         self.result: Any = None
         self.error: Optional[BaseException] = None
@@ -167,17 +180,19 @@ def split_rows(values: Sequence[Optional[Tensor]], rows: Sequence[int], what: st
 
 
 class Gatherer:
-    """Gathers the pending calls of one expert by key and runs each group in
-    the thread of its first call. ``window``: seconds a group's leader waits
-    for more calls (0: only those already pending); ``max_rows``: rows of one
-    group at most (None: no bound; a call larger than it runs alone)."""
+    """Gathers the pending calls of one expert and runs them a group at a
+    time, each group in the thread of its first call. ``window``: seconds a
+    group's leader waits for more calls (0: only those already pending);
+    ``max_rows``: rows of one group at most (None: no bound; a call larger
+    than it runs alone)."""
 
     def __init__(self, window: float = 0.0, max_rows: Optional[int] = None) -> None:
         self.window = float(window)
         self.max_rows = max_rows
         self._cond = threading.Condition()
-        self._pending: Dict[Hashable, List[Task]] = {}
-        self._running: Dict[Hashable, bool] = {}
+        self._queue: List[Task] = []  # pending, oldest first, all keys
+        self._busy = False  # a group is gathering or running (or its leader is named)
+        self._recent: "OrderedDict[Hashable, deque[int]]" = OrderedDict()  # key -> group sizes
         #: groups of two calls or more, the calls in them, calls run alone,
         #: groups that fell back to one by one (see :class:`NotRowWise`).
         self.counts: Dict[str, int] = {"batches": 0, "batched_calls": 0, "unbatched_calls": 0,
@@ -196,19 +211,21 @@ class Gatherer:
             execute: Callable[[List[Task]], None]) -> Any:
         """Runs ``payload`` in a group of its key (``execute(tasks)`` completes
         every task of a group); returns its result or raises its error."""
-        task = Task(payload, rows)
+        task = Task(key, payload, rows)
         cond = self._cond
         with cond:
-            self._pending.setdefault(key, []).append(task)
-            cond.notify_all()  # a leader in its window counts the rows
-            while not task.done and self._running.get(key):
-                cond.wait()
-            if task.done:
-                return task.outcome()
-            self._running[key] = True
+            self._queue.append(task)
+            if not self._busy:
+                self._busy = task.leads = True
+            else:
+                cond.notify_all()  # a leader in its window counts the rows
+                while not (task.done or task.leads):
+                    cond.wait()
+                if task.done:
+                    return task.outcome()
         group: List[Task] = [task]
         try:
-            group = self._take(key, task)
+            group = self._take(task)
             execute(group)
         except BaseException as error:  # noqa: BLE001 - every task of the group gets an answer
             for other in group:
@@ -219,35 +236,54 @@ class Gatherer:
                 for other in group:
                     if not other.done:  # execute left it open: never hang its caller
                         other.finish(error=RuntimeError("a batched call was left unanswered"))
-                self._running[key] = False
-                if not self._pending.get(key):
-                    self._pending.pop(key, None)
-                    self._running.pop(key, None)
+                if self._queue:  # the oldest pending call leads the next group
+                    self._queue[0].leads = True
+                else:
+                    self._busy = False
                 cond.notify_all()
         return task.outcome()
 
-    def _take(self, key: Hashable, own: Task) -> List[Task]:
-        """The leader's group: its own task, then the others pending (FIFO)
-        within ``max_rows``, after the window."""
+    def _take(self, own: Task) -> List[Task]:
+        """The leader's group: its own task, then the others of its key
+        pending (oldest first) within ``max_rows``. Before taking them it
+        waits, at most ``window`` seconds: with ``max_rows``, until that many
+        rows of its key are pending (a batch filled, as hivemind's pools
+        wait for their batch size); without, while fewer calls of its key
+        are pending than the largest of the key's last :data:`RECENT` groups
+        held (forgotten when a wait runs out: fewer trainers call now): a
+        lone trainer never waits, and trainers that came together wait for
+        each other."""
         cond, limit = self._cond, self.max_rows
         deadline = time.monotonic() + self.window
         with cond:
+            recent = self._recent.get(own.key)
+            expect = max(recent) if recent else 1
+            waited_out = False
             while self.window > 0:
-                pending = self._pending.get(key, ())
-                if limit is not None and sum(t.rows for t in pending) >= limit:
+                mine = [t for t in self._queue if t.key == own.key]
+                if (len(mine) >= expect) if limit is None else (sum(t.rows for t in mine)
+                                                                  >= limit):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    waited_out = True
                     break
                 cond.wait(left)
-            queue = self._pending.get(key, [])
-            queue.remove(own)
             group, keep, total = [own], [], own.rows
-            for other in queue:
-                if limit is None or total + other.rows <= limit:
+            for other in self._queue:
+                if other is own:
+                    continue
+                if other.key == own.key and (limit is None or total + other.rows <= limit):
                     group.append(other)
                     total += other.rows
                 else:
                     keep.append(other)
-            self._pending[key] = keep
+            self._queue = keep
+            if recent is None:
+                recent = self._recent[own.key] = deque(maxlen=RECENT)
+                while len(self._recent) > _KEYS:
+                    self._recent.popitem(last=False)
+            if waited_out:  # fewer calls come now (a trainer left): expect what came
+                recent.clear()
+            recent.append(len(group))
         return group

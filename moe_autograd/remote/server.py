@@ -52,7 +52,22 @@ Invariants:
   ``stats()``) or refused with an error (``"raise"``); the gradients are
   zeroed either way under ``auto_step``.
 * Requests overlap freely (one transport thread each); only an expert with an
-  optimizer in ``auto_step`` mode serialises its backward+step.
+  optimizer in ``auto_step`` mode serialises its backward+step (a stateless
+  backward recomputes under the same lock, so no step lands between its
+  recomputation and its backward), and an expert that batches across calls
+  runs one group of calls at a time (:mod:`.gather`).
+* Batching across calls (``batch_across_calls``, opted in per expert, which
+  must be row-wise) changes how calls run, never what a call can see or
+  what it is answered: each call is checked in its own request's thread
+  exactly as alone (job, owner, ids, byte limits) before it joins a group;
+  a group runs only calls of one key (:func:`~.gather.row_key`) of one
+  expert, whichever jobs and sessions they come from, and each call gets
+  its own rows back; a group whose run fails, draws random numbers or
+  returns outputs that are not row-wise in shape runs again one call at a
+  time, so each call gets the answer (or error) it would get alone, and a
+  parameter gradient is accumulated only by a run that succeeded. Only
+  forwards that keep no graph and stateless backwards without
+  ``auto_step`` are batched.
 * After :meth:`ExpertServer.close` returns, its experts are unknown here, its
   states are freed, and its secrets no longer open requests (unless another
   server of this process has them).

@@ -9,6 +9,7 @@ all the trainers' rows are there (``max_batch_rows``; the window is long
 enough never to be what closes it).
 """
 import threading
+import time
 from typing import Any, Callable, Iterator, List, Optional
 
 import pytest
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 import remote_experts as rx
 from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError
 from moe_autograd.remote.cli import build_parser
-from moe_autograd.remote.gather import NotRowWise, concat_rows, row_key, split_rows
+from moe_autograd.remote.gather import Gatherer, NotRowWise, concat_rows, row_key, split_rows
 from wiring import SECRET, Backend, InProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -290,3 +291,46 @@ def test_trainers_of_two_jobs_batched_on_both_engines(backend: Backend, name: st
 def assert_equal(a: Optional[Tensor], b: Optional[Tensor]) -> None:
     assert a is not None and b is not None
     assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), (a, b)
+
+
+# -- the gatherer alone -----------------------------------------------------------------
+def test_gatherer_waits_only_for_calls_it_expects() -> None:
+    """A lone call never waits for the window (60 s here: waiting would time
+    the test out); once a group of 3 ran, the next leader waits until 3 calls
+    of its key are pending (its group cannot be smaller); a call of another
+    key waits its turn and leads its own group."""
+    gatherer = Gatherer(window=60.0)
+    sizes: List[int] = []
+    queued = threading.Condition()
+
+    def execute(tasks: List[Any]) -> None:
+        sizes.append(len(tasks))
+        for task in tasks:
+            task.finish(task.payload * 10)
+
+    assert gatherer.run("k", 1, 1, execute) == 10 and sizes == [1]
+
+    started = threading.Event()
+
+    def hold(tasks: List[Any]) -> None:  # the first group holds the expert...
+        started.set()
+        deadline = time.monotonic() + 20.0
+        while len(gatherer._queue) < 4 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        execute(tasks)
+
+    def body(k: int, barrier: threading.Barrier) -> int:
+        if k == 0:
+            return gatherer.run("k", 1, k, hold)  # type: ignore[no-any-return]
+        started.wait(20.0)  # ...while the four others queue: "k" x 3 and "other"
+        return gatherer.run("k" if k < 4 else "other", 1, k, execute)  # type: ignore[no-any-return]
+    assert trainers(body, 5) == [0, 10, 20, 30, 40]
+    assert sizes[:2] == [1, 1] and sorted(sizes[2:]) == [1, 3], sizes
+
+    def again(k: int, barrier: threading.Barrier) -> int:
+        barrier.wait()
+        return gatherer.run("k", 1, k, execute)
+    before = len(sizes)
+    assert trainers(again, 3) == [0, 10, 20]
+    assert sizes[before:] == [3], sizes  # the leader waited for the 3 it expected
+    assert gatherer.stats()["batches"] == 0  # execute counts, not the gatherer
