@@ -241,6 +241,9 @@ def test_options_are_checked(serve: Any) -> None:
     assert (args.batch_across_calls, args.batch_window, args.max_batch_rows) == (["a", "b"],
                                                                                  0.002, 64)
     assert build_parser().parse_args(["--experts", "m:f"]).batch_across_calls is False
+    from moe_autograd.remote.ray_server import _server_parameters
+
+    assert {"batch_across_calls", "batch_window", "max_batch_rows"} <= set(_server_parameters())
 
 
 # -- both engines: the shared servers' xb_* experts -------------------------------------
