@@ -26,7 +26,7 @@ from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
 
 __all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "check_grads", "to_wire",
-           "trainable", "warm_up", "grads_then_accumulate"]
+           "trainable", "warm_up", "grads_then_accumulate", "has_grad_hooks"]
 
 Grads = List[Optional[Tensor]]
 
@@ -156,6 +156,13 @@ def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequen
             for leaf in leaves]
 
 
+def has_grad_hooks(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` has a gradient hook
+    (``Tensor.register_hook``): :func:`grads_then_accumulate` would run it
+    twice (once computing the gradient, once accumulating it)."""
+    return any(getattr(p, "_backward_hooks", None) for p in module.parameters())
+
+
 def grads_then_accumulate(module: nn.Module, leaves: Sequence[Any], outputs: Sequence[Tensor],
                           grads: Sequence[Any]) -> Grads:
     """:func:`run_backward` for a batch of calls (:mod:`.gather`): the same
@@ -165,9 +172,10 @@ def grads_then_accumulate(module: nn.Module, leaves: Sequence[Any], outputs: Seq
     gradients of the argument leaves and of ``module.parameters()`` with
     ``autograd.grad``, then hands the parameters' to their real
     ``AccumulateGrad`` nodes (``autograd.backward`` on the parameters
-    themselves: PyTorch's per-tensor lock, hooks as a plain backward). A
-    leaf outside ``module.parameters()`` that the expert reaches gets no
-    gradient (a plain backward would give it one)."""
+    themselves: PyTorch's per-tensor lock, post-accumulate hooks once). Not
+    for a module with gradient hooks on its parameters (see
+    :func:`has_grad_hooks`). A leaf outside ``module.parameters()`` that the
+    expert reaches gets no gradient (a plain backward would give it one)."""
     check_grads(outputs, grads)
     pairs = [(out, g.to(out.device)) for out, g in zip(outputs, grads)
              if g is not None and out.requires_grad]

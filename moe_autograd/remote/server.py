@@ -529,6 +529,7 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
         if hosted.gather is not None:
             # Under auto_step every backward is one optimizer step: never batched.
             found = None if hosted.draws or hosted.server.auto_step \
+                or ex.has_grad_hooks(hosted.module) \
                 else row_key(args, flags, grads, extra=("backward",))
             if found is not None:
                 return [hosted.gather.run(found[0], found[1], (args, flags, seed, grads),

@@ -337,3 +337,76 @@ def test_gatherer_waits_only_for_calls_it_expects() -> None:
     assert trainers(again, 3) == [0, 10, 20]
     assert sizes[before:] == [3], sizes  # the leader waited for the 3 it expected
     assert gatherer.stats()["batches"] == 0  # execute counts, not the gatherer
+
+
+def test_gradient_hooks_keep_backwards_alone(serve: Any) -> None:
+    """A batched backward computes parameter gradients, then accumulates
+    them: a gradient hook would run twice, so such an expert's backwards run
+    alone (its forwards are still batched), and each hook runs once per call."""
+    module = nn.Linear(WIDTH, WIDTH)
+    seen: List[int] = []
+    module.weight.register_hook(lambda g: seen.append(1))
+    server = serve({"gx_hooked": module})
+    xs = [torch.randn(ROWS, WIDTH, requires_grad=True) for _ in range(N)]
+
+    def body(k: int, barrier: threading.Barrier) -> None:
+        client = expert("gx_hooked", k)
+        barrier.wait()
+        y = client(xs[k])
+        barrier.wait()
+        y.sum().backward()
+    trainers(body)
+    assert batch_counts(server) == [1, N, N, 0] and len(seen) == N
+
+
+class _PickyGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        if bool((grad == 13).any()):
+            raise ValueError("an unlucky gradient")
+        return grad
+
+
+class PickyGrad(nn.Module):
+    """A Linear whose backward refuses a gradient holding 13."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH).double()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _PickyGrad.apply(self.lin(x))
+
+
+def test_a_failing_backward_fails_alone_and_accumulates_once(serve: Any) -> None:
+    module, local = PickyGrad(), PickyGrad()
+    local.load_state_dict(module.state_dict())
+    server = serve({"gx_picky_grad": module})
+    xs = [torch.randn(ROWS, WIDTH, dtype=torch.float64, requires_grad=True) for _ in range(N)]
+    ws = [torch.full((ROWS, WIDTH), 13.0 if k == 2 else k + 0.5, dtype=torch.float64)
+          for k in range(N)]
+
+    def body(k: int, barrier: threading.Barrier) -> Optional[Exception]:
+        client = expert("gx_picky_grad", k)
+        barrier.wait()
+        y = client(xs[k])
+        barrier.wait()
+        try:
+            (y * ws[k]).sum().backward()
+        except RemoteExpertError as error:
+            return error
+        return None
+    out = trainers(body)
+    assert isinstance(out[2], RemoteExpertError) and "an unlucky gradient" in str(out[2])
+    assert xs[2].grad is None and out[0] is out[1] is out[3] is None
+    for k in (0, 1, 3):  # the others' gradients, each run alone; parameters' added once each
+        x = xs[k].detach().clone().requires_grad_()
+        (local(x) * ws[k]).sum().backward()
+        torch.testing.assert_close(xs[k].grad, x.grad, rtol=1e-12, atol=1e-14)
+    for p, q in zip(module.parameters(), local.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    assert batch_counts(server) == [1, N, N, 1]  # the forward batched, the backward fell back
