@@ -480,7 +480,7 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
         found = None if hosted.draws else row_key(args, flags, extra=("forward", grad))
         if found is not None:
             return hosted.gather.run(found[0], found[1], (args, flags, seed, grad),
-                                     lambda tasks: _forwards(hosted, tasks))
+                                     lambda tasks: _forwards(hosted, tasks), owner)
         hosted.gather.count(unbatched_calls=1)
     leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed,
                                                    grad=grad, keep_graph=keep)
@@ -533,7 +533,8 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
                 else row_key(args, flags, grads, extra=("backward",))
             if found is not None:
                 return [hosted.gather.run(found[0], found[1], (args, flags, seed, grads),
-                                          lambda tasks: _backwards(hosted, tasks)), None]
+                                          lambda tasks: _backwards(hosted, tasks), caller.owner),
+                        None]
             hosted.gather.count(unbatched_calls=1)
         if not hosted.server.auto_step:
             leaves, outputs = ex.recompute(hosted.module, args, flags, seed)

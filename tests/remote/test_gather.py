@@ -10,7 +10,7 @@ enough never to be what closes it).
 """
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Tuple
 
 import pytest
 import torch
@@ -297,46 +297,62 @@ def assert_equal(a: Optional[Tensor], b: Optional[Tensor]) -> None:
 
 
 # -- the gatherer alone -----------------------------------------------------------------
-def test_gatherer_waits_only_for_calls_it_expects() -> None:
-    """A lone call never waits for the window (60 s here: waiting would time
-    the test out); once a group of 3 ran, the next leader waits until 3 calls
-    of its key are pending (its group cannot be smaller); a call of another
-    key waits its turn and leads its own group."""
+def test_gatherer_waits_only_for_callers_it_expects() -> None:
+    """A lone caller never waits for the window (60 s here: waiting would
+    time the test out); once callers A, B and C called a key together, its
+    next group waits until all three are there (it cannot be smaller), while
+    a ready group of another key runs meanwhile."""
     gatherer = Gatherer(window=60.0)
-    sizes: List[int] = []
-    queued = threading.Condition()
+    sizes: List[Tuple[str, int]] = []
 
     def execute(tasks: List[Any]) -> None:
-        sizes.append(len(tasks))
+        sizes.append((tasks[0].key, len(tasks)))
         for task in tasks:
             task.finish(task.payload * 10)
 
-    assert gatherer.run("k", 1, 1, execute) == 10 and sizes == [1]
-
+    assert gatherer.run("k", 1, 1, execute, who="A") == 10 and sizes == [("k", 1)]
     started = threading.Event()
 
     def hold(tasks: List[Any]) -> None:  # the first group holds the expert...
         started.set()
         deadline = time.monotonic() + 20.0
-        while len(gatherer._queue) < 4 and time.monotonic() < deadline:
+        while len(gatherer._queue) < 3 and time.monotonic() < deadline:
             time.sleep(0.001)
         execute(tasks)
 
-    def body(k: int, barrier: threading.Barrier) -> int:
+    def first(k: int, barrier: threading.Barrier) -> int:
         if k == 0:
-            return gatherer.run("k", 1, k, hold)  # type: ignore[no-any-return]
-        started.wait(20.0)  # ...while the four others queue: "k" x 3 and "other"
-        return gatherer.run("k" if k < 4 else "other", 1, k, execute)  # type: ignore[no-any-return]
-    assert trainers(body, 5) == [0, 10, 20, 30, 40]
-    assert sizes[:2] == [1, 1] and sorted(sizes[2:]) == [1, 3], sizes
+            return gatherer.run("other", 1, k, hold, who="A")  # type: ignore[no-any-return]
+        started.wait(20.0)  # ...while A, B and C queue for "k": one group
+        return gatherer.run("k", 1, k, execute, who="ABC"[k - 1])  # type: ignore[no-any-return]
+    assert trainers(first, 4) == [0, 10, 20, 30]
+    assert sizes[1:] == [("other", 1), ("k", 3)], sizes
 
     def again(k: int, barrier: threading.Barrier) -> int:
         barrier.wait()
-        return gatherer.run("k", 1, k, execute)
-    before = len(sizes)
+        return gatherer.run("k", 1, k, execute, who="ABC"[k])  # type: ignore[no-any-return]
     assert trainers(again, 3) == [0, 10, 20]
-    assert sizes[before:] == [3], sizes  # the leader waited for the 3 it expected
-    assert gatherer.stats()["batches"] == 0  # execute counts, not the gatherer
+    assert sizes[3:] == [("k", 3)], sizes  # the first waited for the two others
+
+
+def test_gatherer_runs_keys_that_wait_on_each_other() -> None:
+    """A waits in key "a" for B, whose call waits in key "b" for A: one of
+    them runs (their callers are queued, waiting gains nothing), then the
+    other waits its window for the caller that is not coming, and forgets it."""
+    gatherer = Gatherer(window=0.05)  # how long "b" waits for A, who is gone
+    sizes: List[Tuple[str, int]] = []
+
+    def execute(tasks: List[Any]) -> None:
+        sizes.append((tasks[0].key, len(tasks)))
+        for task in tasks:
+            task.finish(None)
+
+    now = time.monotonic()  # A and B called both keys lately
+    gatherer._recent.update(a={"A": now, "B": now}, b={"A": now, "B": now})
+    trainers(lambda k, barrier: (barrier.wait(), gatherer.run("ab"[k], 1, k, execute,
+                                                              who="AB"[k])), 2)
+    assert sorted(sizes) == [("a", 1), ("b", 1)]
+    assert len(gatherer._recent["a"]) + len(gatherer._recent["b"]) <= 3  # who did not come
 
 
 def test_gradient_hooks_keep_backwards_alone(serve: Any) -> None:
