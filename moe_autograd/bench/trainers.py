@@ -14,8 +14,11 @@ launch-bound: ``tanh(Linear(x))`` followed by a "kernel" that takes
 device (a lock, as kernels of one CUDA stream serialise; on a CPU, torch's
 intra-op pool does the same for large kernels). A step of one trainer costs
 three such kernels (forward; recomputation and backward). Without batching,
-``k`` trainers queue for the device: throughput stays at one trainer's. With
-batching, the calls pending while the device is busy run as one kernel.
+``k`` trainers queue for the device: throughput grows only by the share of
+a step the device was idle. With batching (``batch_window`` = one kernel,
+:data:`WINDOW_S`), the calls of the trainers run as one kernel: a group
+waits for the trainers that called it lately (see
+:mod:`moe_autograd.remote.gather`).
 
 Rows (``ratio`` = throughput of ``k`` trainers over one trainer's, on the
 same server; higher is better): ``remote/clients-2-throughput``,
@@ -47,7 +50,8 @@ L_S = 0.005            # one kernel on the emulated device
 WIDTH, ROWS = 64, 8    # a trainer's call: 8 rows of 64
 TRAINERS = 4
 STEPS = 16             # steps per trainer per sample
-WINDOW_S = 0.005         # the server's batch_window: only what is pending
+WINDOW_S = 0.005       # the server's batch_window: one kernel (2 ms was too short here
+                       # under load: a trainer's turn-around between calls is longer)
 SERVER = "trainers-srv"
 _device = threading.Lock()  # the server process's one device
 
