@@ -210,7 +210,8 @@ NOTES: Dict[str, str] = {
                 "steps/s of k trainers over one trainer's (higher is better). The expert "
                 "emulates one accelerator whose kernels are launch-bound (5 ms each, one at a "
                 "time), so without batching the trainers queue for it; with "
-                "batch_across_calls the calls pending while it is busy run as one kernel. "
+                "batch_across_calls (batch_window = one kernel) the trainers' calls run as one "
+                "kernel (calls per batch in the note). "
                 "Every message still costs CPU on both ends (the note gives CPU per step): "
                 "with few cores, the trainers' and the server's CPU bounds the 4-trainer rows.",
     "ray": "A local Ray instance on this machine (4 server actors, 16 experts): ours sends one "
