@@ -26,7 +26,7 @@ from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
 
 __all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "check_grads", "to_wire",
-           "trainable", "warm_up", "grads_then_accumulate", "has_grad_hooks"]
+           "trainable", "warm_up", "batch_grads", "accumulate", "has_grad_hooks"]
 
 Grads = List[Optional[Tensor]]
 
@@ -158,21 +158,19 @@ def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequen
 
 def has_grad_hooks(module: nn.Module) -> bool:
     """Whether a parameter of ``module`` has a gradient hook
-    (``Tensor.register_hook``): :func:`grads_then_accumulate` would run it
-    twice (once computing the gradient, once accumulating it)."""
+    (``Tensor.register_hook``): :func:`batch_grads` then :func:`accumulate`
+    would run it twice (once computing the gradient, once accumulating it)."""
     return any(getattr(p, "_backward_hooks", None) for p in module.parameters())
 
 
-def grads_then_accumulate(module: nn.Module, leaves: Sequence[Any], outputs: Sequence[Tensor],
-                          grads: Sequence[Any]) -> Grads:
-    """:func:`run_backward` for a batch of calls (:mod:`.gather`): the same
-    gradients, but the parameters' are accumulated only once the whole
-    backward has succeeded, so that a batch that fails and is run again one
-    call at a time never accumulates a gradient twice. Computes the
-    gradients of the argument leaves and of ``module.parameters()`` with
-    ``autograd.grad``, then hands the parameters' to their real
-    ``AccumulateGrad`` nodes (``autograd.backward`` on the parameters
-    themselves: PyTorch's per-tensor lock, post-accumulate hooks once). Not
+def batch_grads(module: nn.Module, leaves: Sequence[Any], outputs: Sequence[Tensor],
+                grads: Sequence[Any]) -> Tuple[Grads, List[Tuple[Tensor, Tensor]]]:
+    """:func:`run_backward` for a batch of calls (:mod:`.gather`), in two
+    halves, so that a batch that fails and is run again one call at a time
+    never accumulates a gradient twice: computes (``autograd.grad``, nothing
+    accumulated) the gradients of the argument leaves, returned as
+    :func:`run_backward` returns them, and of ``module.parameters()``,
+    returned as ``(parameter, gradient)`` pairs for :func:`accumulate`. Not
     for a module with gradient hooks on its parameters (see
     :func:`has_grad_hooks`). A leaf outside ``module.parameters()`` that the
     expert reaches gets no gradient (a plain backward would give it one)."""
@@ -182,12 +180,19 @@ def grads_then_accumulate(module: nn.Module, leaves: Sequence[Any], outputs: Seq
     wanted = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
     params: List[Tensor] = [p for p in module.parameters() if p.requires_grad]
     if not pairs or not (wanted or params):
-        return [None for _ in leaves]
+        return [None for _ in leaves], []
     found = torch.autograd.grad([o for o, _ in pairs], wanted + params, [g for _, g in pairs],
                                 allow_unused=True)
     reached = [(p, g) for p, g in zip(params, found[len(wanted):]) if g is not None]
-    if reached:
-        torch.autograd.backward([p for p, _ in reached], [g for _, g in reached])
     by_leaf = {id(leaf): g for leaf, g in zip(wanted, found[:len(wanted)])}
     return [to_wire(by_leaf.get(id(leaf))) if isinstance(leaf, Tensor) and leaf.requires_grad
-            else None for leaf in leaves]
+            else None for leaf in leaves], reached
+
+
+def accumulate(reached: Sequence[Tuple[Tensor, Tensor]]) -> None:
+    """Adds each gradient to its parameter's ``.grad`` through the
+    parameter's real ``AccumulateGrad`` node (``autograd.backward`` on the
+    parameters themselves: PyTorch's per-tensor lock, post-accumulate hooks
+    as in a plain backward)."""
+    if reached:
+        torch.autograd.backward([p for p, _ in reached], [g for _, g in reached])

@@ -319,7 +319,9 @@ class ExpertServer:
         when none opted in): ``batches``, kernel runs that served two calls
         or more; ``batched_calls``, the calls they served; ``unbatched_calls``,
         calls of opted-in experts that ran alone (nothing else pending of their
-        key, or no key: see :func:`~.gather.row_key`); ``batch_fallbacks``,
+        key, no key: see :func:`~.gather.row_key`, or not batched at all:
+        stateful, auto_step backwards); every call of an opted-in expert that
+        ran counts once, in one of the two; ``batch_fallbacks``,
         groups that ran one by one after all (an error in the batch, outputs
         not row-wise, random numbers drawn)."""
         total = {"batches": 0, "batched_calls": 0, "unbatched_calls": 0, "batch_fallbacks": 0}
@@ -476,6 +478,8 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     if keep:
         assert store is not None
         store.check_new(owner, call_id, hosted.name)  # a duplicate is refused before running
+        if hosted.gather is not None:  # a held graph is one call's
+            hosted.gather.count(unbatched_calls=1)
     elif hosted.gather is not None:
         found = None if hosted.draws else row_key(args, flags, extra=("forward", grad))
         if found is not None:
@@ -525,6 +529,8 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
         state = store.take(caller.owner, call_id, hosted.name,
                            lambda s: ex.check_grads(s.outputs, grads))
         leaves, outputs = state.leaves, state.outputs
+        if hosted.gather is not None:
+            hosted.gather.count(unbatched_calls=1)
     else:
         if hosted.gather is not None:
             # Under auto_step every backward is one optimizer step: never batched.
@@ -616,7 +622,8 @@ def _forwards(hosted: _Hosted, tasks: List[Task]) -> None:
 def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
     """Runs a group of stateless backwards (same key) as one recomputation
     and one backward of their rows; parameter gradients accumulate once, as
-    the sum of the calls' (see :func:`~.execution.grads_then_accumulate`)."""
+    the sum of the calls', once the group's gradients are all computed (see
+    :func:`~.execution.batch_grads`)."""
     if len(tasks) == 1:
         return _one_by_one(hosted, tasks, _backward_alone, False)
     _, flags, seed, _ = tasks[0].payload
@@ -628,11 +635,13 @@ def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
         _drew(hosted, rng)
         split_rows(outputs, rows, "output")  # row-wise outputs, before any gradient moves
         grads = concat_rows([t.payload[3] for t in tasks])
-        found = ex.grads_then_accumulate(hosted.module, leaves, outputs, grads)
-    except Exception:  # noqa: BLE001 - nothing accumulated: each runs alone
+        found, reached = ex.batch_grads(hosted.module, leaves, outputs, grads)
+        parts = split_rows(found, rows, "input gradient")
+    except Exception:  # noqa: BLE001 - nothing accumulated yet: each runs alone
         return _one_by_one(hosted, tasks, _backward_alone, True)
+    ex.accumulate(reached)  # the sum of the calls' parameter gradients, once
     hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
-    for task, part in zip(tasks, split_rows(found, rows, "input gradient")):
+    for task, part in zip(tasks, parts):
         task.finish(part)
 
 

@@ -216,7 +216,7 @@ def test_stateful_and_auto_step_servers(serve: Any) -> None:
         barrier.wait()
         au(xs[k]).sum().backward()
     trainers(body)
-    assert batch_counts(stateful)[:2] == [1, N]
+    assert batch_counts(stateful) == [1, N, 2 * N, 0]  # grad forwards, backwards: alone
     assert stateful.stats()["live"] == 0
     assert batch_counts(auto) == [1, N, N, 0]  # the forward batched, each backward alone
 
