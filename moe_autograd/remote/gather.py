@@ -323,7 +323,8 @@ class Gatherer:
     def _take_locked(self, own: Task) -> List[Task]:
         """The group led by ``own`` (the oldest of its key): the pending
         tasks of its key, oldest first, within ``max_rows``; marks the
-        expert busy and records the group's size."""
+        expert busy and records the group's callers (forgetting, when its
+        window ran out, those it waited for in vain)."""
         tasks = self._pending_by_key()[own.key]
         waited_out = self._state(tasks) == "waiting"  # its window ran out first
         group: List[Task] = []
