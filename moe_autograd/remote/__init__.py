@@ -46,6 +46,11 @@ backward, on the client's release, after ``state_ttl``, or past
 on the server: train them with ``expert.zero_grad()`` / ``expert.step()``
 (server-side optimizer) or ``ExpertServer(..., optimizer=..., auto_step=True)``.
 
+Many trainers per server: ``ExpertServer(..., batch_across_calls=True)``
+(``serve --batch-across-calls``) runs the pending calls of many trainers
+(sessions, jobs) to a row-wise expert as one call of their rows
+(:mod:`.gather`; the README's "Many trainers per server").
+
 Faults (details in the README's remote section, with a table of what each
 fault does to a ``MixtureOfExperts`` step): a server bounds whole requests'
 bytes (every tensor, as materialised, per call), held states (per client and
