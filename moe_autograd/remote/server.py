@@ -72,6 +72,7 @@ Invariants:
   states are freed, and its secrets no longer open requests (unless another
   server of this process has them).
 """
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -103,6 +104,7 @@ MiB = 1 << 20
 _MAX_ID_CHARS = 256     # call ids and names longer than this are refused
 _MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
 _CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -114,7 +116,7 @@ class _Hosted:
     lock: threading.Lock = field(default_factory=threading.Lock)
     skipped_steps: int = 0  # steps skipped for non-finite gradients (under ``lock``)
     gather: Optional[Gatherer] = None  # batching across calls (opted in), see .gather
-    draws: bool = False  # a batch of it drew random numbers: its calls run alone since
+    alone: Optional[str] = None  # why its calls no longer join batches (set once)
 
 
 _experts: Dict[str, _Hosted] = {}
@@ -481,7 +483,7 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
         if hosted.gather is not None:  # a held graph is one call's
             hosted.gather.count(unbatched_calls=1)
     elif hosted.gather is not None:
-        found = None if hosted.draws else row_key(args, flags, extra=("forward", grad))
+        found = None if hosted.alone else row_key(args, flags, extra=("forward", grad))
         if found is not None:
             return hosted.gather.run(found[0], found[1], (args, flags, seed, grad),
                                      lambda tasks: _forwards(hosted, tasks), owner)
@@ -534,7 +536,7 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
     else:
         if hosted.gather is not None:
             # Under auto_step every backward is one optimizer step: never batched.
-            found = None if hosted.draws or hosted.server.auto_step \
+            found = None if hosted.alone or hosted.server.auto_step \
                 or ex.has_grad_hooks(hosted.module) \
                 else row_key(args, flags, grads, extra=("backward",))
             if found is not None:
@@ -589,13 +591,29 @@ def _one_by_one(hosted: _Hosted, tasks: List[Task], alone: Callable[[_Hosted, Ta
             task.finish(error=error)
 
 
-def _drew(hosted: _Hosted, rng: CallRng) -> None:
-    """Random numbers drawn in a batch: each call has its own stream, so the
-    batch cannot stand for its calls; the expert's calls run alone from now on."""
+def _no_more_batches(hosted: _Hosted, why: str) -> None:
+    """The expert's calls run alone from now on (logged once): a batch of it
+    could not stand for its calls, and would fail the same way again."""
+    if hosted.alone is None:
+        hosted.alone = why
+        _log.warning("expert %r: its calls are no longer batched across calls: %s",
+                     hosted.name, why)
+
+
+def _rows_apart(hosted: _Hosted, rng: CallRng, outputs: Sequence[Optional[Tensor]],
+                rows: Sequence[int]) -> List[List[Optional[Tensor]]]:
+    """Each call's rows of a batch's ``outputs``; raises :class:`NotRowWise`
+    (and stops batching the expert) if the batch drew random numbers (each
+    call has its own random stream) or an output is not one row per row."""
     if rng.drew:
-        hosted.draws = True
-        raise NotRowWise(f"expert {hosted.name!r} draws random numbers (each call has its own "
-                         "random stream): its calls are not batched across calls")
+        _no_more_batches(hosted, "it draws random numbers (each call has its own random "
+                                 "stream)")
+        raise NotRowWise(f"expert {hosted.name!r} draws random numbers")
+    try:
+        return split_rows(outputs, rows, "output")
+    except NotRowWise as error:
+        _no_more_batches(hosted, f"its outputs are not row-wise ({error})")
+        raise
 
 
 def _forwards(hosted: _Hosted, tasks: List[Task]) -> None:
@@ -609,8 +627,7 @@ def _forwards(hosted: _Hosted, tasks: List[Task]) -> None:
         _, outputs, single, diff = ex.run_forward(
             hosted.module, concat_rows([t.payload[0] for t in tasks]), flags, seed, grad=grad,
             keep_graph=False, rng=rng)
-        _drew(hosted, rng)
-        parts = split_rows([ex.to_wire(o) for o in outputs], rows, "output")
+        parts = _rows_apart(hosted, rng, [ex.to_wire(o) for o in outputs], rows)
     except Exception:  # noqa: BLE001 - one call may be the cause: each runs alone
         return _one_by_one(hosted, tasks, _forward_alone, True)
     hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
@@ -632,8 +649,7 @@ def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
         rng = CallRng(seed)
         leaves, outputs = ex.recompute(hosted.module, concat_rows([t.payload[0] for t in tasks]),
                                        flags, seed, rng=rng)
-        _drew(hosted, rng)
-        split_rows(outputs, rows, "output")  # row-wise outputs, before any gradient moves
+        _rows_apart(hosted, rng, outputs, rows)  # before any gradient is computed
         grads = concat_rows([t.payload[3] for t in tasks])
         found, reached = ex.batch_grads(hosted.module, leaves, outputs, grads)
         parts = split_rows(found, rows, "input gradient")
@@ -700,7 +716,8 @@ def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
                     expert_skipped_steps=hosted.skipped_steps,
-                    expert_batches=hosted.gather.stats() if hosted.gather is not None else None)
+                    expert_batches=hosted.gather.stats() if hosted.gather is not None else None,
+                    expert_batched_no_more=hosted.alone)
     raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "
                      f"one of {_CONTROL}")
 

@@ -172,7 +172,8 @@ def test_a_failing_call_fails_alone(serve: Any) -> None:
     assert batch_counts(server) == [0, 0, N, 1]
 
 
-def test_experts_not_row_wise_in_shape_or_random_run_alone(serve: Any) -> None:
+def test_experts_not_row_wise_in_shape_or_random_run_alone(serve: Any,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
     class Total(nn.Module):  # one row per call: not row-wise
         def forward(self, x: Tensor) -> Tensor:
             return x.sum(0, keepdim=True)
@@ -195,6 +196,11 @@ def test_experts_not_row_wise_in_shape_or_random_run_alone(serve: Any) -> None:
             kept = b != 0
             assert torch.allclose(b[kept], 2 * xs[k][kept])  # each call's own mask, p = 0.5
     assert batch_counts(server) == [0, 0, 3 * N, 2], server.batch_stats()
+    assert sum("no longer batched across calls" in r.getMessage()
+               for r in caplog.records) == 2  # once per expert
+    why = {name: expert(name, 0).remote_stats()["expert_batched_no_more"]
+           for name in ("gx_total", "gx_drop")}
+    assert "not row-wise" in why["gx_total"] and "random numbers" in why["gx_drop"], why
 
 
 def test_stateful_and_auto_step_servers(serve: Any) -> None:
