@@ -64,7 +64,8 @@ Invariants:
   expert, whichever jobs and sessions they come from, and each call gets
   its own rows back; a group whose run fails, draws random numbers or
   returns outputs that are not row-wise in shape runs again one call at a
-  time, so each call gets the answer (or error) it would get alone, and a
+  time, so each call gets the answer (or error) it would get alone (after
+  the latter two, the expert's calls are not batched again), and a
   parameter gradient is accumulated only by a run that succeeded. Only
   forwards that keep no graph and stateless backwards without
   ``auto_step`` are batched.
