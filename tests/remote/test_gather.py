@@ -432,3 +432,40 @@ def test_a_failing_backward_fails_alone_and_accumulates_once(serve: Any) -> None
     for p, q in zip(module.parameters(), local.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
     assert batch_counts(server) == [1, N, N, 1]  # the forward batched, the backward fell back
+
+
+def test_gatherer_brings_callers_back_in_step() -> None:
+    """A in forward ("f") and B in backward ("b") wait for each other: A's
+    group runs (the oldest), holding the expert past B's window; B's call
+    still gets a window from that group's end, in which A's backward comes:
+    one group of two, the two callers in step again."""
+    window = 1.0
+    gatherer = Gatherer(window=window)
+    now = time.monotonic()
+    gatherer._recent.update(f={"A": now, "B": now}, b={"A": now, "B": now})
+    sizes: List[Tuple[str, int]] = []
+
+    def execute(tasks: List[Any]) -> None:
+        sizes.append((tasks[0].key, len(tasks)))
+        for task in tasks:
+            task.finish(None)
+
+    def slow(tasks: List[Any]) -> None:  # holds the expert until B's window ran out
+        deadline = time.monotonic() + 20.0
+        while len(gatherer._queue) < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(1.2 * window)
+        execute(tasks)
+
+    def body(k: int, barrier: threading.Barrier) -> None:
+        if k == 0:
+            gatherer.run("f", 1, None, slow, who="A")
+            time.sleep(0.05)  # A's turn-around (a trainer's autograd, its next message)
+            gatherer.run("b", 1, None, execute, who="A")
+        else:
+            deadline = time.monotonic() + 20.0
+            while not gatherer._queue and time.monotonic() < deadline:  # A's "f" waits for B
+                time.sleep(0.001)
+            gatherer.run("b", 1, None, execute, who="B")
+    trainers(body, 2)
+    assert sizes == [("f", 1), ("b", 2)], sizes
