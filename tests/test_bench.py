@@ -71,6 +71,21 @@ def test_remote_rows_format() -> None:
     assert "30.000" in remote.format_rows(rows) and "40.000" in remote.format_rows(rows)
 
 
+def test_trainers_rows_are_throughputs() -> None:
+    """The ``trainers`` group's rows: steps/s of k trainers over one's
+    (higher is better, judged against ">= 2.5"); its expert is row-wise."""
+    from moe_autograd.bench import trainers
+
+    samples = {"1": [40.0, 50.0, 40.0], "4": [120.0, 100.0, 100.0]}
+    row = trainers._throughput_row("remote/clients-4-throughput", samples, "1", "4", ">= 2.5",
+                                   "n")
+    assert (row.unit, row.baseline, row.ours, row.ratio) == ("steps/s", 40.0, 100.0, 2.5)
+    assert (row.goal, row.met) == (">= 2.50", True)
+    expert = trainers.OneDeviceExpert(seconds=0.0)
+    x = torch.randn(5, trainers.WIDTH)
+    torch.testing.assert_close(expert(x)[2:], expert(x[2:]))  # (rounding: not bit-equal)
+
+
 @pytest.mark.timeout(60)
 def test_gpu_group_cpu_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The ``gpu`` group's code at tiny sizes on the CPU (CI has no GPU): every

@@ -55,6 +55,9 @@ ELSEWHERE: Dict[str, List[str]] = {
     'fleet = Fleet.start("trainer", "127.0.0.1", 29500)':
         [f"{RECIPES}::test_elastic_fleet_recipe"],
     "python -m moe_autograd serve --join": [f"{RECIPES}::test_elastic_fleet_recipe"],
+    "ExpertServer(experts, batch_across_calls=True)": [
+        "tests/remote/test_gather.py::test_options_are_checked",  # the options, serve's flags
+        "tests/remote/test_gather.py::test_trainers_of_two_jobs_batched_on_both_engines"],
 }
 # Command lines of blocks in ELSEWHERE that their test does not run as
 # written, and why (anything else must be one of the test's in_readme lines).

@@ -42,6 +42,9 @@ Groups
     authentication (HMAC-SHA256) cost per pass, against pickle.
 ``remote``
     :mod:`.remote`: remote experts against ``torch.distributed.autograd``.
+``trainers``
+    :mod:`.trainers`: throughput of 1, 2 and 4 trainers calling one expert
+    server, with batching across calls and without (``remote/clients-*``).
 ``ray``
     :mod:`.ray_remote`: remote experts on Ray against plain Ray actor calls
     (skipped without ``ray``).
@@ -136,6 +139,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "rng": bench_rng,
     "wire": lambda quick: importlib.import_module(f"{__name__}.wire").bench_wire(quick),
     "remote": _external("remote", f"{__name__}.remote"),
+    "trainers": lambda quick: importlib.import_module(f"{__name__}.trainers").bench_trainers(quick),
     "ray": _external("ray", f"{__name__}.ray_remote"),
     "moe": _external("moe", "moe_autograd.moe.bench"),
     "moe-scale": lambda quick: importlib.import_module(f"{__name__}.moe_scale").bench_moe_scale(quick),
@@ -209,6 +213,14 @@ NOTES: Dict[str, str] = {
               "cores the L = 5 ms rows are CPU-bound; the L = 50 ms rows show the "
               "latency-bound behaviour. Ours sends one request per server and pass "
               "(moe_autograd.remote.batching), torch one RPC per call and pass.",
+    "trainers": "Loopback RPC, one server and 4 trainer processes on this machine; ratio = "
+                "steps/s of k trainers over one trainer's (higher is better). The expert "
+                "emulates one accelerator whose kernels are launch-bound (5 ms each, one at a "
+                "time), so without batching the trainers queue for it; with "
+                "batch_across_calls (batch_window = one kernel) the trainers' calls run as one "
+                "kernel (calls per batch in the note). "
+                "Every message still costs CPU on both ends (the note gives CPU per step): "
+                "with few cores, the trainers' and the server's CPU bounds the 4-trainer rows.",
     "ray": "A local Ray instance on this machine (4 server actors, 16 experts): ours sends one "
            "request per server and pass through RayTransport (moe_autograd.remote.ray_backend), "
            "the plain baseline one .remote() per call and pass; every Ray message costs CPU "

@@ -31,7 +31,8 @@ call goes down, through an engine, and up into a server's operation)::
     client, batching                      RemoteExpert; one request per server and pass
     batch_server, server                  a server's operations (registered in endpoint)
     registry, membership, state, sizes,   the fleet's signed records; dynamic RPC worlds;
-    execution, deadlines, stopping        held states; byte counts; running a call
+    execution, gather, deadlines,         held states; byte counts; running a call;
+    stopping                              many trainers' calls batched into one
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
     transport                             the seam: frames in, frames out
@@ -53,6 +54,10 @@ sends floating arguments and output gradients in that codec and gets outputs
 and input gradients back in it; a compressed tensor is a descriptor and raw
 buffers of the schema like any other. Without it, gradients are bit-equal to
 local ones.
+Many trainers per server: ``ExpertServer(..., batch_across_calls=True)``
+(``serve --batch-across-calls``) runs the pending calls of many trainers
+(sessions, jobs) to a row-wise expert as one call of their rows
+(:mod:`.gather`; the README's "Many trainers per server").
 
 Faults (details in the README's remote section, with a table of what each
 fault does to a ``MixtureOfExperts`` step): a server bounds whole requests'

@@ -68,6 +68,10 @@ def _bytes_or_none(text: str) -> Optional[int]:
     return None if text.lower() == "none" else int(text)
 
 
+def _names(text: str) -> List[str]:
+    return [name for name in text.split(",") if name]
+
+
 def _env_int(name: str) -> Optional[int]:
     value = os.environ.get(name)
     return int(value) if value else None
@@ -110,6 +114,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--non-finite-grads", choices=NON_FINITE_POLICIES, default="skip",
                    help="an optimizer step with NaN/inf gradients is skipped (reported) or "
                         "fails the request")
+    p.add_argument("--batch-across-calls", nargs="?", const=True, default=False, type=_names,
+                   metavar="NAMES",
+                   help="batch the pending calls of many trainers (clients, jobs) to the same "
+                        "expert into one kernel call: all experts, or those named (comma-"
+                        "separated). Only for row-wise experts (row i of the output depends "
+                        "on row i of the inputs alone; not BatchNorm in train mode)")
+    p.add_argument("--batch-window", type=float, default=0.0, metavar="SECONDS",
+                   help="with --batch-across-calls: how long a call waits for others to join "
+                        "its batch (default 0: only the calls already pending)")
+    p.add_argument("--max-batch-rows", type=int, default=None, metavar="N",
+                   help="with --batch-across-calls: rows (first dimension) of one batch at "
+                        "most (default: no bound)")
     p.add_argument("--num-worker-threads", type=int, default=16)
     p.add_argument("--rpc-timeout", type=float, default=60.0,
                    help="this worker's RPC timeout in seconds (clients set their own)")
@@ -251,6 +267,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           max_state_bytes=args.max_state_bytes,
                           max_request_bytes=args.max_request_bytes,
                           non_finite_grads=args.non_finite_grads, secret=secret,
+                          batch_across_calls=args.batch_across_calls,
+                          batch_window=args.batch_window, max_batch_rows=args.max_batch_rows,
                           )  # before init_rpc: no request finds it missing
     halt_report = _report_served(server.served, args.report_every)
     if args.join:
@@ -359,7 +377,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             state_ttl=args.state_ttl, max_states=args.max_states,
             max_states_per_client=args.max_states_per_client,
             max_state_bytes=args.max_state_bytes, max_request_bytes=args.max_request_bytes,
-            non_finite_grads=args.non_finite_grads)
+            non_finite_grads=args.non_finite_grads, batch_across_calls=args.batch_across_calls,
+            batch_window=args.batch_window, max_batch_rows=args.max_batch_rows)
     except BaseException as error:
         _fail(f"could not start the Ray expert server {name!r}: {error}")
         ray.shutdown()

@@ -26,7 +26,7 @@ from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
 
 __all__ = ["module_device", "make_leaves", "run_forward", "run_backward", "check_grads", "to_wire",
-           "trainable", "warm_up"]
+           "trainable", "warm_up", "batch_grads", "accumulate", "has_grad_hooks"]
 
 Grads = List[Optional[Tensor]]
 
@@ -89,15 +89,18 @@ def _outputs(result: Any) -> Tuple[List[Tensor], bool]:
 
 
 def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], seed: int, *,
-                grad: bool, keep_graph: bool) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
+                grad: bool, keep_graph: bool, rng: Optional[CallRng] = None
+                ) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
     """Runs the module; returns ``(leaves, outputs, single, differentiable)``.
 
     With ``keep_graph`` (stateful) the outputs carry the graph; otherwise the
     forward runs without grad (a checkpointed forward when ``grad``) and
     ``differentiable`` says which outputs a recomputation can differentiate.
+    ``rng``: the stream to run under (default ``CallRng(seed)``); its
+    ``drew`` says afterwards whether the expert drew random numbers.
     """
     leaves = make_leaves(args, flags, module_device(module))
-    rng = CallRng(seed)
+    rng = CallRng(seed) if rng is None else rng
     if keep_graph:
         with torch.enable_grad(), rng.activate():
             outputs, single = _outputs(module(*leaves))
@@ -110,10 +113,12 @@ def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], s
 
 
 def recompute(module: nn.Module, args: Sequence[Any], flags: Sequence[bool],
-              seed: int) -> Tuple[List[Any], List[Tensor]]:
-    """The stateless backward's forward: same seed, grad on, recomputing."""
+              seed: int, rng: Optional[CallRng] = None) -> Tuple[List[Any], List[Tensor]]:
+    """The stateless backward's forward: same seed, grad on, recomputing
+    (``rng`` as for :func:`run_forward`)."""
     leaves = make_leaves(args, flags, module_device(module))
-    with torch.enable_grad(), enable_recomputing(), CallRng(seed).activate():
+    with torch.enable_grad(), enable_recomputing(), \
+            (CallRng(seed) if rng is None else rng).activate():
         outputs, _ = _outputs(module(*leaves))
     return leaves, outputs
 
@@ -149,3 +154,45 @@ def run_backward(leaves: Sequence[Any], outputs: Sequence[Tensor], grads: Sequen
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     return [to_wire(leaf.grad) if isinstance(leaf, Tensor) and leaf.requires_grad else None
             for leaf in leaves]
+
+
+def has_grad_hooks(module: nn.Module) -> bool:
+    """Whether a parameter of ``module`` has a gradient hook
+    (``Tensor.register_hook``): :func:`batch_grads` then :func:`accumulate`
+    would run it twice (once computing the gradient, once accumulating it)."""
+    return any(getattr(p, "_backward_hooks", None) for p in module.parameters())
+
+
+def batch_grads(module: nn.Module, leaves: Sequence[Any], outputs: Sequence[Tensor],
+                grads: Sequence[Any]) -> Tuple[Grads, List[Tuple[Tensor, Tensor]]]:
+    """:func:`run_backward` for a batch of calls (:mod:`.gather`), in two
+    halves, so that a batch that fails and is run again one call at a time
+    never accumulates a gradient twice: computes (``autograd.grad``, nothing
+    accumulated) the gradients of the argument leaves, returned as
+    :func:`run_backward` returns them, and of ``module.parameters()``,
+    returned as ``(parameter, gradient)`` pairs for :func:`accumulate`. Not
+    for a module with gradient hooks on its parameters (see
+    :func:`has_grad_hooks`). A leaf outside ``module.parameters()`` that the
+    expert reaches gets no gradient (a plain backward would give it one)."""
+    check_grads(outputs, grads)
+    pairs = [(out, g.to(out.device)) for out, g in zip(outputs, grads)
+             if g is not None and out.requires_grad]
+    wanted = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
+    params: List[Tensor] = [p for p in module.parameters() if p.requires_grad]
+    if not pairs or not (wanted or params):
+        return [None for _ in leaves], []
+    found = torch.autograd.grad([o for o, _ in pairs], wanted + params, [g for _, g in pairs],
+                                allow_unused=True)
+    reached = [(p, g) for p, g in zip(params, found[len(wanted):]) if g is not None]
+    by_leaf = {id(leaf): g for leaf, g in zip(wanted, found[:len(wanted)])}
+    return [to_wire(by_leaf.get(id(leaf))) if isinstance(leaf, Tensor) and leaf.requires_grad
+            else None for leaf in leaves], reached
+
+
+def accumulate(reached: Sequence[Tuple[Tensor, Tensor]]) -> None:
+    """Adds each gradient to its parameter's ``.grad`` through the
+    parameter's real ``AccumulateGrad`` node (``autograd.backward`` on the
+    parameters themselves: PyTorch's per-tensor lock, post-accumulate hooks
+    as in a plain backward)."""
+    if reached:
+        torch.autograd.backward([p for p, _ in reached], [g for _, g in reached])

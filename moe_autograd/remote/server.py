@@ -58,11 +58,28 @@ Invariants:
   ``stats()``) or refused with an error (``"raise"``); the gradients are
   zeroed either way under ``auto_step``.
 * Requests overlap freely (one transport thread each); only an expert with an
-  optimizer in ``auto_step`` mode serialises its backward+step.
+  optimizer in ``auto_step`` mode serialises its backward+step (a stateless
+  backward recomputes under the same lock, so no step lands between its
+  recomputation and its backward), and an expert that batches across calls
+  runs one group of calls at a time (:mod:`.gather`).
+* Batching across calls (``batch_across_calls``, opted in per expert, which
+  must be row-wise) changes how calls run, never what a call can see or
+  what it is answered: each call is checked in its own request's thread
+  exactly as alone (job, owner, ids, byte limits) before it joins a group;
+  a group runs only calls of one key (:func:`~.gather.row_key`) of one
+  expert, whichever jobs and sessions they come from, and each call gets
+  its own rows back; a group whose run fails, draws random numbers or
+  returns outputs that are not row-wise in shape runs again one call at a
+  time, so each call gets the answer (or error) it would get alone (after
+  the latter two, the expert's calls are not batched again), and a
+  parameter gradient is accumulated only by a run that succeeded. Only
+  forwards that keep no graph and stateless backwards without
+  ``auto_step`` are batched.
 * After :meth:`ExpertServer.close` returns, its experts are unknown here, its
   states are freed, and its secrets no longer open requests (unless another
   server of this process has them).
 """
+import logging
 import os
 import threading
 from dataclasses import dataclass, field
@@ -71,11 +88,13 @@ from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Seque
 import torch
 from torch import Tensor, nn
 
+from ..rng import CallRng
 from . import endpoint
 from . import execution as ex
 from .compression import CODECS, Compressed
 from .auth import Caller, JobSecret, resolve_secret, security_stats
 from .endpoint import Reply, error_text
+from .gather import Gatherer, NotRowWise, Task, concat_rows, row_key, split_rows
 from .sizes import Tally, materialised_bytes
 from .state import CallState, StateStore
 from .transport import Transport, get_transport
@@ -85,6 +104,7 @@ __all__ = ["ExpertServer", "run_job", "admit_request", "set_host_info", "host_in
 
 OptimizerFactory = Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 Secrets = Union[None, JobSecret, Sequence[JobSecret]]
+BatchChoice = Union[bool, Sequence[str]]
 BACKWARDS = ("stateless", "stateful")
 NON_FINITE_POLICIES = ("skip", "raise")
 JOB_OPS = ("forward", "backward")
@@ -92,6 +112,7 @@ MiB = 1 << 20
 _MAX_ID_CHARS = 256     # call ids and names longer than this are refused
 _MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
 _CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats")
+_log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +123,8 @@ class _Hosted:
     optimizer: Optional[torch.optim.Optimizer]
     lock: threading.Lock = field(default_factory=threading.Lock)
     skipped_steps: int = 0  # steps skipped for non-finite gradients (under ``lock``)
+    gather: Optional[Gatherer] = None  # batching across calls (opted in), see .gather
+    alone: Optional[str] = None  # why its calls no longer join batches (set once)
 
 
 _experts: Dict[str, _Hosted] = {}
@@ -127,6 +150,21 @@ def _positive_bytes(name: str, value: Optional[int]) -> Optional[int]:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive number of bytes or None, got {value!r}")
     return value
+
+
+def _batched_names(choice: BatchChoice, experts: Mapping[str, nn.Module]) -> Set[str]:
+    """The experts ``batch_across_calls`` opts in: all (True), none (False),
+    or those named (each must be one of ``experts``)."""
+    if isinstance(choice, bool):
+        return set(experts) if choice else set()
+    if isinstance(choice, str) or not all(isinstance(n, str) for n in choice):
+        raise TypeError("batch_across_calls must be a bool or a list of expert names, got "
+                        f"{choice!r:.80}")
+    unknown = sorted(set(choice) - set(experts))
+    if unknown:
+        raise ValueError(f"batch_across_calls names experts {unknown} that this server does "
+                         f"not serve ({sorted(experts)})")
+    return set(choice)
 
 
 def _secrets(secret: Secrets) -> List[JobSecret]:
@@ -181,6 +219,8 @@ class ExpertServer:
                  max_request_bytes: Optional[int] = 256 * MiB,
                  max_state_bytes: Optional[int] = 1024 * MiB,
                  non_finite_grads: str = "skip", secret: Secrets = None,
+                 batch_across_calls: BatchChoice = False, batch_window: float = 0.0,
+                 max_batch_rows: Optional[int] = None,
                  transport: Optional[Transport] = None) -> None:
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
@@ -190,6 +230,14 @@ class ExpertServer:
         for name, module in experts.items():
             if not isinstance(name, str) or not isinstance(module, nn.Module):
                 raise TypeError(f"experts must map str to nn.Module, got {name!r}: {type(module)}")
+        batched = _batched_names(batch_across_calls, experts)
+        if not (isinstance(batch_window, (int, float)) and not isinstance(batch_window, bool)
+                and 0 <= batch_window <= 60.0):  # also refuses nan
+            raise ValueError(f"batch_window must be seconds in [0, 60], got {batch_window!r}")
+        if max_batch_rows is not None and (isinstance(max_batch_rows, bool) or not isinstance(
+                max_batch_rows, int) or max_batch_rows < 1):
+            raise ValueError(f"max_batch_rows must be a positive int or None, got "
+                             f"{max_batch_rows!r}")
         self.secrets = _secrets(secret)
         self.jobs: Set[bytes] = {s.key_id for s in self.secrets}
         self.max_request_bytes = _positive_bytes("max_request_bytes", max_request_bytes)
@@ -205,8 +253,12 @@ class ExpertServer:
         self._idle = threading.Condition()
         self._served = {"forward": 0, "backward": 0, "failed": 0}  # under _idle
         hosted = {name: _Hosted(name, module, self,
-                                optimizer(module.parameters()) if optimizer else None)
+                                optimizer(module.parameters()) if optimizer else None,
+                                gather=Gatherer(float(batch_window), max_batch_rows)
+                                if name in batched else None)
                   for name, module in experts.items()}
+        self.batched: List[str] = [name for name in experts if name in batched]
+        self.batch_window, self.max_batch_rows = float(batch_window), max_batch_rows
         with _registry_lock:
             taken = sorted(set(hosted) & set(_experts))
             if taken:
@@ -267,9 +319,27 @@ class ExpertServer:
                                 "skipped_steps": sum(h.skipped_steps for h in self._hosted),
                                 "non_finite_grads": self.non_finite_grads,
                                 "auth_refused": security_stats()["refused"],
-                                "served": self.served()}
+                                "served": self.served(), "batch_across_calls": list(self.batched)}
+        base.update(self.batch_stats())
         base.update(self.store.stats() if self.store is not None else {"live": 0})
         return base
+
+    def batch_stats(self) -> Dict[str, int]:
+        """Batching across calls, summed over this server's experts (zeros
+        when none opted in): ``batches``, kernel runs that served two calls
+        or more; ``batched_calls``, the calls they served; ``unbatched_calls``,
+        calls of opted-in experts that ran alone (nothing else pending of their
+        key, no key: see :func:`~.gather.row_key`, or not batched at all:
+        stateful, auto_step backwards); every call of an opted-in expert that
+        ran counts once, in one of the two; ``batch_fallbacks``,
+        groups that ran one by one after all (an error in the batch, outputs
+        not row-wise, random numbers drawn)."""
+        total = {"batches": 0, "batched_calls": 0, "unbatched_calls": 0, "batch_fallbacks": 0}
+        for hosted in self._hosted:
+            if hosted.gather is not None:
+                for key, value in hosted.gather.stats().items():
+                    total[key] += value
+        return total
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops serving: new requests fail at once, requests in flight get up
@@ -435,6 +505,15 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     if keep:
         assert store is not None
         store.check_new(owner, call_id, hosted.name)  # a duplicate is refused before running
+        if hosted.gather is not None:  # a held graph is one call's
+            hosted.gather.count(unbatched_calls=1)
+    elif hosted.gather is not None:
+        found = None if hosted.alone else row_key(args, flags, extra=("forward", grad))
+        if found is not None:  # each call's reply in its own request's codec
+            outputs, *rest = hosted.gather.run(found[0], found[1], (args, flags, seed, grad),
+                                               lambda tasks: _forwards(hosted, tasks), owner)
+            return [_packed(outputs, codec), *rest]
+        hosted.gather.count(unbatched_calls=1)
     leaves, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed,
                                                    grad=grad, keep_graph=keep)
     mode = "none" if not any(diff) else "stateful" if keep else "stateless"
@@ -479,18 +558,134 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
         state = store.take(caller.owner, call_id, hosted.name,
                            lambda s: ex.check_grads(s.outputs, grads))
         leaves, outputs = state.leaves, state.outputs
+        if hosted.gather is not None:
+            hosted.gather.count(unbatched_calls=1)
     else:
-        leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
+        if hosted.gather is not None:
+            # Under auto_step every backward is one optimizer step: never batched.
+            found = None if hosted.alone or hosted.server.auto_step \
+                or ex.has_grad_hooks(hosted.module) \
+                else row_key(args, flags, grads, extra=("backward",))
+            if found is not None:  # each call's reply in its own request's codec
+                return [_packed(hosted.gather.run(found[0], found[1], (args, flags, seed, grads),
+                                                  lambda tasks: _backwards(hosted, tasks),
+                                                  caller.owner), codec), None]
+            hosted.gather.count(unbatched_calls=1)
+        if not hosted.server.auto_step:
+            leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
     if not hosted.server.auto_step:
         return [_packed(ex.run_backward(leaves, outputs, grads), codec), None]
     assert hosted.optimizer is not None
     with hosted.lock:
         try:
+            if args is not None:  # recomputed under the lock: no step between it and backward
+                leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
             result = ex.run_backward(leaves, outputs, grads)
             note = _step(hosted)
         finally:
             hosted.optimizer.zero_grad()
     return [_packed(result, codec), note]
+
+
+# -- batching across calls (see .gather) ---------------------------------------------------
+# A group's tasks carry (args, flags, seed, grad) for a forward, (args, flags,
+# seed, grads) for a stateless backward: the fields its single-call request
+# had, already checked (ids, types, byte limits) in that call's own thread.
+def _forward_alone(hosted: _Hosted, task: Task) -> List[Any]:
+    args, flags, seed, grad = task.payload
+    _, outputs, single, diff = ex.run_forward(hosted.module, args, flags, seed, grad=grad,
+                                              keep_graph=False)
+    mode = "none" if not any(diff) else "stateless"
+    return [[ex.to_wire(o) for o in outputs], single, diff, mode]
+
+
+def _backward_alone(hosted: _Hosted, task: Task) -> Any:
+    args, flags, seed, grads = task.payload
+    leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
+    return ex.run_backward(leaves, outputs, grads)
+
+
+def _one_by_one(hosted: _Hosted, tasks: List[Task], alone: Callable[[_Hosted, Task], Any],
+                fallback: bool) -> None:
+    """Each task as its single-call request would run it: its own result or
+    error, whatever the others' (a failing job never fails another's call)."""
+    assert hosted.gather is not None
+    hosted.gather.count(unbatched_calls=len(tasks), batch_fallbacks=int(fallback))
+    for task in tasks:
+        try:
+            task.finish(alone(hosted, task))
+        except Exception as error:  # noqa: BLE001 - this call's own error reply
+            task.finish(error=error)
+
+
+def _no_more_batches(hosted: _Hosted, why: str) -> None:
+    """The expert's calls run alone from now on (logged once): a batch of it
+    could not stand for its calls, and would fail the same way again."""
+    if hosted.alone is None:
+        hosted.alone = why
+        _log.warning("expert %r: its calls are no longer batched across calls: %s",
+                     hosted.name, why)
+
+
+def _rows_apart(hosted: _Hosted, rng: CallRng, outputs: Sequence[Optional[Tensor]],
+                rows: Sequence[int]) -> List[List[Optional[Tensor]]]:
+    """Each call's rows of a batch's ``outputs``; raises :class:`NotRowWise`
+    (and stops batching the expert) if the batch drew random numbers (each
+    call has its own random stream) or an output is not one row per row."""
+    if rng.drew:
+        _no_more_batches(hosted, "it draws random numbers (each call has its own random "
+                                 "stream)")
+        raise NotRowWise(f"expert {hosted.name!r} draws random numbers")
+    try:
+        return split_rows(outputs, rows, "output")
+    except NotRowWise as error:
+        _no_more_batches(hosted, f"its outputs are not row-wise ({error})")
+        raise
+
+
+def _forwards(hosted: _Hosted, tasks: List[Task]) -> None:
+    """Runs a group of forwards (same key) as one forward of their rows."""
+    if len(tasks) == 1:
+        return _one_by_one(hosted, tasks, _forward_alone, False)
+    _, flags, seed, grad = tasks[0].payload
+    rows = [t.rows for t in tasks]
+    try:
+        rng = CallRng(seed)
+        _, outputs, single, diff = ex.run_forward(
+            hosted.module, concat_rows([t.payload[0] for t in tasks]), flags, seed, grad=grad,
+            keep_graph=False, rng=rng)
+        parts = _rows_apart(hosted, rng, [ex.to_wire(o) for o in outputs], rows)
+    except Exception:  # noqa: BLE001 - one call may be the cause: each runs alone
+        return _one_by_one(hosted, tasks, _forward_alone, True)
+    hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
+    mode = "none" if not any(diff) else "stateless"
+    for task, part in zip(tasks, parts):
+        task.finish([part, single, diff, mode])
+
+
+def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
+    """Runs a group of stateless backwards (same key) as one recomputation
+    and one backward of their rows; parameter gradients accumulate once, as
+    the sum of the calls', once the group's gradients are all computed (see
+    :func:`~.execution.batch_grads`)."""
+    if len(tasks) == 1:
+        return _one_by_one(hosted, tasks, _backward_alone, False)
+    _, flags, seed, _ = tasks[0].payload
+    rows = [t.rows for t in tasks]
+    try:
+        rng = CallRng(seed)
+        leaves, outputs = ex.recompute(hosted.module, concat_rows([t.payload[0] for t in tasks]),
+                                       flags, seed, rng=rng)
+        _rows_apart(hosted, rng, outputs, rows)  # before any gradient is computed
+        grads = concat_rows([t.payload[3] for t in tasks])
+        found, reached = ex.batch_grads(hosted.module, leaves, outputs, grads)
+        parts = split_rows(found, rows, "input gradient")
+    except Exception:  # noqa: BLE001 - nothing accumulated yet: each runs alone
+        return _one_by_one(hosted, tasks, _backward_alone, True)
+    ex.accumulate(reached)  # the sum of the calls' parameter gradients, once
+    hosted.gather.count(batches=1, batched_calls=len(tasks))  # type: ignore[union-attr]
+    for task, part in zip(tasks, parts):
+        task.finish(part)
 
 
 def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
@@ -547,7 +742,9 @@ def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
     if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
-                    expert_skipped_steps=hosted.skipped_steps)
+                    expert_skipped_steps=hosted.skipped_steps,
+                    expert_batches=hosted.gather.stats() if hosted.gather is not None else None,
+                    expert_batched_no_more=hosted.alone)
     raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "
                      f"one of {_CONTROL}")
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_autograd.remote import ExpertServer, RemoteExpert, register_operation, start_rpc
+from moe_autograd.remote import (ExpertServer, JobSecret, RemoteExpert, job_secret,
+                                 register_operation, start_rpc)
 from wiring import Counting, ask  # noqa: F401 - Counting: the tests use rx.Counting
 
 WIDTH = 8
@@ -197,7 +198,40 @@ def setup_servers() -> List[ExpertServer]:
         ExpertServer({"gate": Gate()}),
         ExpertServer({"bt_sf_slow": Sleepy(1.0, fwd=True, bwd=False),
                       "bt_sf_lin": nn.Linear(WIDTH, WIDTH)}, backward="stateful", state_ttl=30.0),
+        # batching across calls (test_gather.py): two jobs, XB_TRAINERS x XB_ROWS rows a batch
+        ExpertServer({"xb_mlp": xb_mlp(), "xb_int": xb_int()}, batch_across_calls=True,
+                     batch_window=XB_WINDOW_S, max_batch_rows=XB_TRAINERS * XB_ROWS,
+                     secret=[job_secret(), second_job(job_secret())]),
     ]
+
+
+# -- batching across calls (test_gather.py) ---------------------------------------------
+XB_TRAINERS, XB_ROWS = 4, 2
+XB_WINDOW_S = 30.0  # a batch closes when all XB_TRAINERS x XB_ROWS rows are there (no timing)
+
+
+def second_job(secret: JobSecret) -> JobSecret:
+    """Another job's secret, derived from the test job's (both ends derive it)."""
+    import hashlib
+
+    return JobSecret(hashlib.sha256(b"the second test job" + secret.hex().encode()).digest())
+
+
+def xb_mlp() -> nn.Module:
+    """A row-wise float64 MLP (random weights: rounding may differ when batched)."""
+    torch.manual_seed(7)
+    return nn.Sequential(nn.Linear(WIDTH, 16), nn.Tanh(), nn.Linear(16, WIDTH)).double()
+
+
+def xb_int() -> nn.Module:
+    """A row-wise float64 Linear-ReLU-Linear with small integer weights: on
+    integer inputs every sum is exact, so batched results are bit-equal."""
+    module = nn.Sequential(nn.Linear(WIDTH, 16), nn.ReLU(), nn.Linear(16, WIDTH)).double()
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randint(-3, 4, p.shape, generator=generator, dtype=torch.float64))
+    return module
 
 
 # -- the coalescing tests: a gate that holds calls on the server ------------------------
