@@ -5,7 +5,7 @@ import sys
 import textwrap
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -92,6 +92,22 @@ PARALLEL_NODE_FILES = {"test_autograd", "test_parallel", "test_parallel_checkpoi
                        "test_stress", "test_parallel_skip", "test_function_db",
                        "test_param_inputs", "test_checkpoint_frames", "test_compile",
                        "test_moe_gaps"}
+
+
+@pytest.fixture(autouse=True)
+def no_cli_handler_left() -> Iterator[None]:
+    """A test that runs the command line in-process (``__main__.main``,
+    ``serve``) installs its stderr handler on the ``moe_autograd`` logger
+    (moe_autograd.logs.configure_cli): taken off after the test, with the
+    logger's level, so that no later test sees it."""
+    import logging
+    logger = logging.getLogger("moe_autograd")
+    level = logger.level
+    yield
+    for handler in list(logger.handlers):
+        if getattr(handler, "_moe_autograd_cli", False):
+            logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
 @pytest.fixture(autouse=True)
