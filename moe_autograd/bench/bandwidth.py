@@ -44,6 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from .measure import Plan, compare, measure
+from .processes import forkserver_context
 from .remote import _Sleep, _as_dict, _join_job, _run_world
 
 __all__ = ["run", "main", "WireExpert", "RATES", "step_bytes"]
@@ -179,14 +180,8 @@ _PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.autograd",
 
 
 def _context() -> Any:
-    """Forkserver (torch imported once), as :func:`.remote._context`."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    """The world's start method (:func:`.processes.forkserver_context`)."""
+    return forkserver_context(_PRELOAD)
 
 
 def worker(quick: bool) -> List[Dict[str, Any]]:

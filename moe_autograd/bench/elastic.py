@@ -30,9 +30,7 @@ its start arguments (never argv or the environment).
 
 ``python -m moe_autograd.bench.elastic [--quick]`` prints the rows alone.
 """
-import multiprocessing
 import os
-import queue as queue_module
 import signal
 import statistics
 import time
@@ -40,6 +38,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, cast
 
 import torch
 from torch import Tensor, nn
+
+from .processes import forkserver_context, result_of
 
 __all__ = ["run", "main"]
 
@@ -101,11 +101,7 @@ def fleet_step(fleet: Any, join_samples: int) -> Tuple[Any, List[str], Callable[
     return moe, extra, step
 
 def _context() -> Any:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    return forkserver_context(_PRELOAD)
 
 
 def _server(port: int, name: str, experts: Sequence[str], go: Any, joined: Any,
@@ -266,18 +262,7 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
                               name="bench-elastic-trainer", daemon=True)
         trainer.start()
         started.insert(0, trainer)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                status, value = results.get(timeout=1.0)
-                break
-            except queue_module.Empty:
-                if not trainer.is_alive() and results.empty():
-                    status, value = "error", f"the trainer exited with code {trainer.exitcode}"
-                    break
-                if time.monotonic() > deadline:
-                    status, value = "error", "no result within 300 s"
-                    break
+        status, value = result_of(results, trainer, 300, "trainer")
     finally:
         stop_processes(started, timeout=20.0)
     if status != "ok":

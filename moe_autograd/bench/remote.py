@@ -50,9 +50,7 @@ rows alone.
 costs the client and the server, and the messages the client sends for it,
 in a world of its own (one server; see :func:`run_straggler`).
 """
-import multiprocessing
 import os
-import queue as queue_module
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -60,6 +58,7 @@ import torch
 from torch import Tensor, nn
 
 from .measure import Plan, Row, compare, measure
+from .processes import forkserver_context, result_of
 
 __all__ = ["run", "format_rows", "main", "SleepyExpert", "run_straggler", "format_straggler"]
 
@@ -335,34 +334,13 @@ _PRELOAD = ["torch", "torch.distributed.rpc", "torch.distributed.autograd",
 
 
 def _context() -> Any:
-    """The processes' start method: ``forkserver`` where the platform has it.
-
-    Each spawned process would import torch and the package: seconds of CPU
-    each, most of a quick
-    run on a machine with few cores. The forkserver imports them once, in a
-    process that computes nothing (no intra-op pool is started, so forking
-    it is as safe as DataLoader's fork workers), and forks every process of
-    the world from it; its children also leave through ``os._exit``, without
-    the interpreter's teardown. It lives on, idle, until this process exits.
-    """
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)  # ignored if a forkserver already runs
-    return ctx
+    """The world's start method (:func:`.processes.forkserver_context`)."""
+    return forkserver_context(_PRELOAD)
 
 
 def _result(queue: Any, client: Any, timeout: float) -> Tuple[str, Any]:
     """The client's ``(status, value)``; fails early if it died without one."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return queue.get(timeout=1.0)
-        except queue_module.Empty:
-            if not client.is_alive() and queue.empty():
-                return "error", f"the client process exited with code {client.exitcode}"
-            if time.monotonic() > deadline:
-                return "error", f"no result within {timeout:g} s"
+    return result_of(queue, client, timeout)
 
 
 def run(quick: bool = False) -> List[Dict[str, Any]]:

@@ -35,9 +35,7 @@ Every process serves one job: :func:`run` makes a new
 its start arguments. ``python -m moe_autograd.bench.replicas [--quick]``
 prints the rows alone.
 """
-import multiprocessing
 import os
-import queue as queue_module
 import signal
 import statistics
 import time
@@ -46,6 +44,7 @@ from typing import Any, Dict, List, Optional, cast
 import torch
 
 from .measure import Plan, Row, compare, measure
+from .processes import forkserver_context, result_of
 from .remote import SleepyExpert
 
 __all__ = ["run", "main", "L_S", "SLOWDOWN"]
@@ -59,11 +58,7 @@ _PRELOAD = ["torch", "torch.distributed.rpc", "moe_autograd.remote", "moe_autogr
 
 
 def _context() -> Any:
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
+    return forkserver_context(_PRELOAD)
 
 
 def _experts(slow: bool) -> Dict[str, SleepyExpert]:
@@ -204,18 +199,7 @@ def run(quick: bool = False) -> List[Dict[str, Any]]:
                               args=(port, quick, go, joined, results, secret))
         trainer.start()
         started.insert(0, trainer)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                status, value = results.get(timeout=1.0)
-                break
-            except queue_module.Empty:
-                if not trainer.is_alive() and results.empty():
-                    status, value = "error", f"the trainer exited with code {trainer.exitcode}"
-                    break
-                if time.monotonic() > deadline:
-                    status, value = "error", "no result within 300 s"
-                    break
+        status, value = result_of(results, trainer, 300, "trainer")
     finally:
         stop_processes(started, timeout=20.0)
     if status != "ok":
