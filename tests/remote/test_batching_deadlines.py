@@ -1,0 +1,259 @@
+"""Deadlines of coalesced calls (:mod:`moe_autograd.remote.batching`): calls
+with different deadlines in ONE message each keep their own, a pass's
+deadline (a ``MixtureOfExperts``' ``forward_timeout``) ends a call sooner,
+and a call whose deadline passed ends its job, its message and its state
+(issue 34: survivors of a mutation run; the straggler tests only checked
+that the layer masks).
+
+No timing: the client's clock is a fake (``batching.time`` replaced in that
+module only) and the transport a recorder whose reply the test hands in;
+the deadline watcher's own entries are far in the future (tens of seconds).
+"""
+import threading
+import time
+import types
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteTimeoutError, batching
+from moe_autograd.remote import flush_releases
+from moe_autograd.remote.batching import GRACE_S, Job, send
+from moe_autograd.remote.frame import Frame
+from wiring import InProcess
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class Held:
+    """A pending reply that the test completes."""
+
+    def __init__(self) -> None:
+        self.callbacks: List[Any] = []
+        self.reply: Any = None
+
+    def done(self) -> bool:
+        return self.reply is not None
+
+    def result(self, timeout: Optional[float]) -> Any:
+        return self.reply
+
+    def add_done_callback(self, fn: Any) -> None:
+        self.callbacks.append(fn)
+
+    def answer(self, reply: Any) -> None:
+        self.reply = reply
+        for fn in self.callbacks:
+            fn()
+
+
+class Recorder:
+    """Stands in for the channel: records each message and its timeout."""
+
+    def __init__(self) -> None:
+        self.sent: List[Tuple[Dict[str, Any], Optional[float], Held]] = []
+
+    def __call__(self, transport: Any, worker: str, message: Dict[str, Any],
+                 timeout: Optional[float], *, secret: Any = None, label: str = "") -> Held:
+        held = Held()
+        self.sent.append((message, timeout, held))
+        return held
+
+
+class Peer:
+    name = "peer"
+
+    def __init__(self, default: Optional[float]) -> None:
+        self.default = default
+
+    def default_timeout(self) -> Optional[float]:
+        return self.default
+
+
+@pytest.fixture
+def wired(monkeypatch: pytest.MonkeyPatch) -> Tuple[Clock, Recorder]:
+    clock, recorder = Clock(), Recorder()
+    monkeypatch.setattr(batching, "time", types.SimpleNamespace(monotonic=clock.monotonic))
+    monkeypatch.setattr(batching, "send_request", recorder)
+    return clock, recorder
+
+
+def _jobs(peer: Peer, timeouts: List[Optional[float]], abandoned: List[str]) -> List[Job]:
+    def job(name: str, timeout: Optional[float]) -> Job:
+        return Job(peer, "w", {"op": "forward", "expert": name}, timeout,
+                   where=lambda: f"forward of expert {name!r} on worker 'w'",
+                   limit=lambda: "the transport's own timeout",
+                   decode=lambda value: value, abandon=lambda: abandoned.append(name))
+    return [job(f"e{k}", t) for k, t in enumerate(timeouts)]
+
+
+def _send(jobs: List[Job], deadline: Optional[float]) -> Dict[int, Tuple[Any, Any]]:
+    results: Dict[int, Tuple[Any, Any]] = {}
+    send(jobs, lambda i, value, error: results.__setitem__(i, (value, error)), deadline)
+    return results
+
+
+def test_calls_with_different_deadlines_in_one_message_each_keep_their_own(wired) -> None:
+    clock, recorder = wired
+    abandoned: List[str] = []
+    jobs = _jobs(Peer(default=70.0), [30.0, 50.0, None], abandoned)
+    results = _send(jobs, None)
+    [(message, timeout, held)] = recorder.sent  # one message for the three calls
+    assert message["op"] == "batch" and [j["expert"] for j in message["jobs"]] == ["e0", "e1", "e2"]
+    assert [j["answer_by"] for j in message["jobs"]] == [30.0, 50.0, None]
+    # The message lives until its last call's deadline (the transport's 70 s
+    # for the call without one), plus the grace; never less.
+    assert timeout == pytest.approx(70.0 + GRACE_S)
+    clock.now += 40.0  # e0's deadline passed: its answer, arriving now, is dropped
+    held.answer(["ok", [[["ok", "a0"], ["ok", "a1"], None], True]])
+    assert results[1] == ("a1", None)
+    value, error = results[0]
+    assert value is None and isinstance(error, RemoteTimeoutError)
+    assert "forward of expert 'e0' on worker 'w' missed its 30 s deadline" in str(error)
+    assert abandoned == ["e0"]
+    # e2 still open: one collect, whose own timeout reaches e2's deadline only
+    assert [m["op"] for m, _, _ in recorder.sent] == ["batch", "collect"]
+    _, collect_timeout, collect = recorder.sent[1]
+    assert collect_timeout == pytest.approx(70.0 - 40.0 + GRACE_S)
+    collect.answer(["ok", [[None, None, ["ok", "a2"]], False]])
+    assert results[2] == ("a2", None) and abandoned == ["e0"] and len(results) == 3
+
+
+def test_a_pass_deadline_ends_the_calls_it_precedes_sooner(wired) -> None:
+    clock, recorder = wired
+    abandoned: List[str] = []
+    jobs = _jobs(Peer(default=70.0), [30.0, 50.0, None], abandoned)
+    results = _send(jobs, 40.0)  # the layer's forward_timeout
+    [(message, timeout, held)] = recorder.sent
+    assert [j["answer_by"] for j in message["jobs"]] == [30.0, 40.0, 40.0]
+    assert timeout == pytest.approx(40.0 + GRACE_S)  # not the 50 s or the transport's 70 s
+    clock.now += 45.0
+    held.answer(["ok", [[None, None, None], False]])  # the server gave up on all three
+    assert sorted(abandoned) == ["e0", "e1", "e2"]
+    errors = [str(results[k][1]) for k in range(3)]
+    assert all(isinstance(results[k][1], RemoteTimeoutError) for k in range(3))
+    assert "'e0' on worker 'w' missed its 30 s deadline" in errors[0]
+    for k in (1, 2):
+        assert f"'e{k}' on worker 'w' was given up after 40 s: its pass" in errors[k]
+
+
+def test_a_pass_deadline_later_than_a_calls_own_leaves_the_own(wired) -> None:
+    clock, recorder = wired
+    jobs = _jobs(Peer(default=None), [30.0, 50.0], [])
+    results = _send(jobs, 60.0)
+    [(message, timeout, held)] = recorder.sent
+    assert [j["answer_by"] for j in message["jobs"]] == [30.0, 50.0]
+    assert timeout == pytest.approx(50.0 + GRACE_S)
+    held.answer(["ok", [[["ok", 0], ["ok", 1]], False]])
+    assert results == {0: (0, None), 1: (1, None)}
+
+
+def test_a_call_without_any_deadline_keeps_its_message_open(wired) -> None:
+    clock, recorder = wired
+    jobs = _jobs(Peer(default=None), [30.0, None], [])
+    results = _send(jobs, None)
+    [(message, timeout, held)] = recorder.sent
+    assert [j["answer_by"] for j in message["jobs"]] == [30.0, None] and timeout is None
+    held.answer(["ok", [[["ok", 0], ["ok", 1]], False]])
+    assert results == {0: (0, None), 1: (1, None)}
+
+
+def test_a_lone_call_sends_its_own_message_with_its_own_deadline(wired) -> None:
+    clock, recorder = wired
+    jobs = _jobs(Peer(default=70.0), [30.0], [])
+    results = _send(jobs, 20.0)
+    [(message, timeout, held)] = recorder.sent
+    assert message == {"op": "forward", "expert": "e0"}  # not wrapped in a batch
+    assert timeout == pytest.approx(20.0 + GRACE_S)
+    clock.now += 25.0
+    held.answer(["ok", "late"])
+    assert isinstance(results[0][1], RemoteTimeoutError)
+    assert "was given up after 20 s: its pass" in str(results[0][1])
+
+
+# -- the layer's pass deadline, end to end in this process -------------------------------
+class Recording(InProcess):
+    """This process's endpoint as the worker ``here``; records each frame's
+    label and timeout."""
+
+    def __init__(self) -> None:
+        super().__init__("here")
+        self.sent: List[Tuple[str, Optional[float]]] = []
+
+    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Any:
+        self.sent.append((frame.label, timeout))
+        return super().call(worker, frame, timeout)
+
+
+class Gated(nn.Module):
+    """Answers only once the test opens its gate."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.gate = threading.Event()
+
+    def forward(self, x: Tensor) -> Tensor:
+        assert self.gate.wait(30.0)
+        return self.lin(x)
+
+
+def test_the_layers_pass_deadline_ends_a_masked_calls_job_message_and_state() -> None:
+    from moe_autograd.moe import MixtureOfExperts
+
+    width, forward_timeout = 4, 0.3
+    gated = Gated(width)
+    modules = {"dl_lin0": nn.Linear(width, width), "dl_lin1": nn.Linear(width, width),
+               "dl_gated": gated}
+    transport = Recording()
+    server = ExpertServer(modules, backward="stateful", transport=transport)
+    store = server.store
+    assert store is not None
+    put_done = threading.Event()
+    real_put = store.put
+
+    def put(call_id: str, state: Any) -> None:
+        try:
+            real_put(call_id, state)
+        finally:
+            if state.expert == "dl_gated":
+                put_done.set()
+    store.put = put  # type: ignore[method-assign]
+    try:
+        experts = [RemoteExpert("here", name, forward_timeout=30.0, transport=transport)
+                   for name in modules]
+        moe = MixtureOfExperts(experts, width, k=3, k_min=1, forward_timeout=forward_timeout)
+        x = torch.randn(5, width, requires_grad=True)
+        y, aux = moe(x)  # returns at the pass deadline: the gated call masked
+        assert [s["timeouts"] for s in moe.stats()] == [0, 0, 1]
+        # job: the call's answer_by was the pass's; message: every frame of
+        # the pass ends by the pass deadline plus the grace, not at the call's 30 s
+        forward_frames = [(label, t) for label, t in transport.sent if "forward" in label]
+        assert forward_frames and forward_frames[0][0] == "batch:forward"
+        assert all(t is not None and t <= forward_timeout + GRACE_S for _, t in forward_frames)
+        # state: the server's forward finishes later; the client has let it go
+        gated.gate.set()
+        assert put_done.wait(30.0)
+        flush_releases()  # (the releaser's thread may be sending it already: wait for it)
+        for _ in range(1000):
+            if store.stats()["live"] == 2:
+                break
+            time.sleep(0.01)
+        assert store.stats()["live"] == 2  # the two answered calls' states, for their backward
+        gone = [reason for _, reason in store._gone.values()]
+        assert any("released by the client" in reason for reason in gone)
+        (y.sum() + aux).backward()
+        assert store.stats()["live"] == 0 and x.grad is not None
+    finally:
+        gated.gate.set()
+        server.close()
