@@ -3,7 +3,7 @@ eviction policy at a tie, and expiry swept by a ``put`` (no timer).
 
 Time is a fake clock (``state.time.monotonic`` patched), so nothing here
 sleeps or depends on timing (issue 34: survivors of a mutation run)."""
-from typing import List
+from typing import List, Tuple
 
 import pytest
 
@@ -145,3 +145,160 @@ def test_sweep_frees_expired_states_and_counts_them(clock: Clock) -> None:
     clock.now += 0.5
     assert store.sweep() == 1 and len(store) == 0 and store.nbytes == 0
     assert store.stats()["expired"] == 1
+
+
+# -- limits, messages and counters ---------------------------------------------------------
+@pytest.mark.parametrize("options, message", [
+    (dict(ttl=0.0, max_states=1), "state_ttl must be a positive number of seconds, got 0.0"),
+    (dict(ttl=-1.0, max_states=1), "state_ttl must be a positive number of seconds, got -1.0"),
+    (dict(ttl=float("nan"), max_states=1), "state_ttl must be a positive number"),
+    (dict(ttl="10", max_states=1), "state_ttl must be a positive number of seconds, got '10'"),
+    (dict(ttl=1.0, max_states=0), "max_states must be at least 1, got 0"),
+    (dict(ttl=1.0, max_states=4, max_states_per_client=0),
+     "max_states_per_client must be at least 1, got 0"),
+    (dict(ttl=1.0, max_states=4, max_bytes=0), "max_state_bytes must be positive or None, got 0"),
+])
+def test_the_store_refuses_limits_that_cannot_hold_a_state(options, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        StateStore(**options)
+    assert message in str(info.value)
+
+
+def test_the_smallest_limits_hold_one_state() -> None:
+    store = StateStore(ttl=1e-9, max_states=1, max_states_per_client=1, max_bytes=1)
+    assert store.stats() == {"stored": 0, "used": 0, "released": 0, "expired": 0,
+                             "evicted": 0, "refused": 0, "live": 0, "bytes": 0, "clients": 0}
+    store = StateStore(ttl=float("inf"), max_states=1, max_states_per_client=1, max_bytes=1)
+    store.put("c0", _state("a", 1))  # exactly max_bytes: fits
+    assert store.nbytes == 1 and store._states["c0"].expires == float("inf")
+    store.put("c1", _state("a", 1))
+    assert list(store._states) == ["c1"] and store.counts["evicted"] == 1
+
+
+def test_counters_count_every_event() -> None:
+    store = StateStore(ttl=30.0, max_states=2)
+    for k in range(4):
+        store.put(f"c{k}", _state("a"))
+    assert store.counts["stored"] == 4 and store.counts["evicted"] == 2
+    store.take("a", "c2", "e")
+    store.take("a", "c3", "e")
+    assert store.counts["used"] == 2
+    store.put("c4", _state("a"))
+    store.put("c5", _state("a"))
+    assert store.release("a", ["c4", "c5", "unknown"]) == 2
+    store.put("c6", _state("a"))
+    assert store.release("a", ["c6"]) == 1
+    assert store.counts["released"] == 3
+    store.put("c7", _state("a"))
+    for _ in range(2):
+        with pytest.raises(StateError):
+            store.take("b", "c7", "e")
+    with pytest.raises(StateError):
+        store.take("a", "c7", "f")
+    assert store.counts["refused"] == 3
+    assert store.stats() == {"stored": 8, "used": 2, "released": 3, "expired": 0,
+                             "evicted": 2, "refused": 3, "live": 1, "bytes": 0, "clients": 1}
+
+
+def test_errors_say_why_an_id_cannot_be_used() -> None:
+    store = StateStore(ttl=30.0, max_states=2)
+    store.put("x", _state("a"))
+    with pytest.raises(StateError, match=r"^forward of expert 'e': call id 'x' is already held "
+                                         r"by a pending call: call ids must be unique \(a forward "
+                                         r"never reuses one\)$"):
+        store.put("x", _state("a"))
+    with pytest.raises(StateError, match=r"^backward of expert 'e': call 'x' belongs to another "
+                                         r"session, not this client's: only its owner may run its "
+                                         r"backward$"):
+        store.take("b", "x", "e")
+    store.take("a", "x", "e")
+    with pytest.raises(StateError, match=r"^backward of expert 'e': no state for call 'x': used "
+                                         r"by an earlier backward \(stateful state is used once\)$"):
+        store.take("a", "x", "e")
+    with pytest.raises(StateError, match=r"^backward of expert 'e': no state for call 'y': unknown "
+                                         r"call id \(never stored on this server for this "
+                                         r"client\)$"):
+        store.take("a", "y", "e")
+    with pytest.raises(StateError, match=r"^backward of expert 'e': no state for call 'x': unknown "
+                                         r"call id"):
+        store.take("b", "x", "e")  # another session learns nothing of a's call
+    store.put("y", _state("a"))
+    store.put("z", _state("b"))
+    store.put("v", _state("a"))  # a tie: a's own oldest goes
+    with pytest.raises(StateError, match=r"evicted: the server holds at most max_states=2 \(the "
+                                         r"client holding the most gives way\)$"):
+        store.take("a", "y", "e")
+    store.release("a", ["w"])
+    with pytest.raises(StateError, match=r"^forward of expert 'e': call id 'w' was released by "
+                                         r"the client before its forward arrived \(the client "
+                                         r"gave up on it\)$"):
+        store.put("w", _state("a"))
+
+
+def test_check_new_refuses_what_put_would_refuse() -> None:
+    store = StateStore(ttl=30.0, max_states=4)
+    store.check_new("a", "x", "e")  # free: no error
+    store.put("x", _state("a"))
+    with pytest.raises(StateError, match=r"^forward of expert 'lin': call id 'x' is already held"):
+        store.check_new("a", "x", "lin")
+    store.release("a", ["gone"])
+    with pytest.raises(StateError, match="'gone' was released by the client before its forward"):
+        store.check_new("a", "gone", "lin")
+    with pytest.raises(StateError, match="'gone' was used before"):
+        store.check_new("b", "gone", "lin")  # another session's tombstone
+    assert len(store) == 1
+
+
+def test_a_release_skips_another_sessions_ids_and_frees_the_rest(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    refusals: List[Tuple[str, str]] = []
+    monkeypatch.setattr(state_module, "refuse", lambda reason, detail: refusals.append(
+        (reason, detail)))
+    store = StateStore(ttl=30.0, max_states=8)
+    store.put("b" * 32, _state("b"))
+    store.put("a0", _state("a"))
+    store.put("a1", _state("a"))
+    assert store.release("a", ["b" * 32, "a0", "a1"]) == 2  # b's is skipped, not the end
+    assert list(store._states) == ["b" * 32] and store.counts["refused"] == 1
+    assert refusals == [("not the owner", "a release of call bbbbbbbb... by another session")]
+    with pytest.raises(StateError, match="no state for call 'a0': released by the client$"):
+        store.take("a", "a0", "e")
+    with pytest.raises(StateError, match="belongs to another session"):
+        store.take("a", "b" * 32, "e")
+    assert refusals[1] == ("not the owner",
+                           "a backward of call bbbbbbbb... of expert 'e' by another session")
+
+
+def test_remembered_ids_are_bounded_oldest_forgotten_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(state_module, "_REMEMBERED", 3)
+    store = StateStore(ttl=30.0, max_states=8)
+    for k in range(3):
+        store.put(f"c{k}", _state("a"))
+        store.take("a", f"c{k}", "e")
+    assert list(store._gone) == ["c0", "c1", "c2"]  # exactly the bound: all remembered
+    store.release("a", ["c3"])
+    assert list(store._gone) == ["c1", "c2", "c3"]
+    store.put("c0", _state("a"))  # forgotten: may be stored again
+
+
+def test_a_new_client_at_a_tie_of_single_states_evicts_the_first_holder() -> None:
+    store = StateStore(ttl=30.0, max_states=2)
+    store.put("a0", _state("a"))
+    store.put("b0", _state("b"))
+    store.put("c0", _state("c"))
+    assert list(store._states) == ["b0", "c0"]
+    store = StateStore(ttl=30.0, max_states=100, max_bytes=2)
+    store.put("a0", _state("a", 1))
+    store.put("b0", _state("b", 1))
+    store.put("c0", _state("c", 1))
+    assert list(store._states) == ["b0", "c0"]
+
+
+def test_clear_frees_everything() -> None:
+    store = StateStore(ttl=30.0, max_states=8, max_bytes=100)
+    store.put("a0", _state("a", 10))
+    store.put("b0", _state("b", 20))
+    store.clear()
+    assert store.stats()["live"] == 0 and store.nbytes == 0 and store.stats()["clients"] == 0
+    store.put("a1", _state("a", 100))  # the whole budget is free again
+    assert store.nbytes == 100
