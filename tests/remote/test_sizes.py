@@ -40,3 +40,11 @@ def test_each_tensor_counts_once_per_tally_at_full_size() -> None:
     fifteen, one = torch.zeros(15), torch.zeros(1)
     assert tally.add(fifteen, limit=100) == 60 and tally.total == 100  # exactly at it
     assert tally.add(one, limit=100) is None and tally.total == 100
+
+
+def test_a_walk_past_max_objects_is_refused_saying_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_autograd.remote import sizes
+    monkeypatch.setattr(sizes, "MAX_OBJECTS", 10)
+    with pytest.raises(ValueError, match=r"^the arguments hold more than 10 objects: too many to "
+                                         r"account for their tensors$"):
+        materialised_bytes([[] for _ in range(10)])
