@@ -61,8 +61,9 @@ def test_a_tie_in_bytes_evicts_the_newcomers_own_oldest_state(newcomer: str, oth
     assert _ids(store, other) == [f"{other}0", f"{other}1"]
     assert _ids(store, newcomer) == [f"{newcomer}1", f"{newcomer}2"]
     assert store.nbytes == 400 and store._owner_bytes == {"a": 200, "b": 200}
-    with pytest.raises(StateError, match="evicted: the server's states hold at most "
-                                         "max_state_bytes=400"):
+    with pytest.raises(StateError, match=r"evicted: the server's states hold at most "
+                                         r"max_state_bytes=400 bytes \(the client holding the "
+                                         r"most gives way\)$"):
         store.take(newcomer, f"{newcomer}0", "e")
 
 
