@@ -37,6 +37,7 @@ Usage::
 
     python tools/mutate.py run SHARD [--jobs N]    # make mutate SHARD=remote-state
     python tools/mutate.py report [SHARD ...]      # kill rates, survivors
+    python tools/mutate.py recheck SHARD           # survivors again, after new tests
     python tools/mutate.py list                    # the shards
 """
 import argparse
@@ -111,6 +112,10 @@ def _prepare(shard: str) -> Path:
             shutil.rmtree(target)
         shutil.copytree(ROOT / name, target,
                         ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    # PYTHONPATH names mutants/ (see _env): it must exist when mutmut starts,
+    # or the import system caches "no such directory" for it and the package
+    # copied there later is never found.
+    (here / "mutants").mkdir(exist_ok=True)
     cfg = configparser.ConfigParser()
     cfg.read(ROOT / "setup.cfg")
     cfg["mutmut"] = {
@@ -140,6 +145,23 @@ def run(shard: str, jobs: int) -> int:
     print(f"mutate: shard {shard!r} in {here} ({jobs} at a time)", flush=True)
     code = subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
                            cwd=here, env=_env(here))
+    report([shard])
+    return code
+
+
+def recheck(shard: str, jobs: int) -> int:
+    """Runs the shard's survivors again (after new tests: mutmut keeps a
+    verdict until told to rerun it)."""
+    here = _prepare(shard)
+    equivalent = _equivalents()
+    names = [name for codes in _results(shard).values() for name, code in codes.items()
+             if code in _SURVIVED and name not in equivalent]
+    if not names:
+        print(f"{shard}: no survivors to recheck")
+        return 0
+    print(f"mutate: rechecking {len(names)} survivors of {shard!r}", flush=True)
+    code = subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs),
+                            *names], cwd=here, env=_env(here))
     report([shard])
     return code
 
@@ -205,6 +227,9 @@ def main(argv: Sequence[str]) -> int:
     p_run = sub.add_parser("run", help="run one shard's mutants (or 'all', one after another)")
     p_run.add_argument("shard", choices=[*SHARDS, "all"])
     p_run.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
+    p_recheck = sub.add_parser("recheck", help="run a shard's survivors again (after new tests)")
+    p_recheck.add_argument("shard", choices=list(SHARDS))
+    p_recheck.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
     p_report = sub.add_parser("report", help="kill rates and survivors of shards run before")
     p_report.add_argument("shards", nargs="*", metavar="SHARD")
     sub.add_parser("list", help="the shards, their files and tests")
@@ -219,6 +244,8 @@ def main(argv: Sequence[str]) -> int:
             parser.error(f"unknown shard(s) {unknown}: one of {list(SHARDS)}")
         report(args.shards or list(SHARDS))
         return 0
+    if args.command == "recheck":
+        return recheck(args.shard, args.jobs)
     shards = list(SHARDS) if args.shard == "all" else [args.shard]
     return max(run(shard, args.jobs) for shard in shards)
 
