@@ -376,7 +376,9 @@ def test_missing_recompute_raises():
     x = torch.randn(3, requires_grad=True)
     chk = Checkpointing(lambda t: t * 2, Batch(x))
     out = chk.checkpoint()
-    with pytest.raises(RuntimeError, match="Recompute"):
+    with pytest.raises(RuntimeError, match=r"^Checkpoint\.backward ran before its Recompute: "
+                                           r"call Checkpointing\.recompute\(\) on the output "
+                                           r"batch$"):
         out.tensor.sum().backward()
 
 
@@ -573,3 +575,16 @@ def test_checkpoint_recomputes_without_autocast_when_backward_runs_under_it():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y.sum().backward()
     assert dtypes == [torch.float32, torch.float32]
+
+
+def test_a_function_of_no_tensor_still_gives_its_parameters_gradients():
+    # No input tensor: the phony that keeps Checkpoint in the graph lives on
+    # the CPU (issue 34: a mutation of that fallback survived).
+    lin = nn.Linear(3, 2)
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    out = checkpoint(lambda n, s: lin(torch.ones(n, 3) * s), (4, 2.0))
+    out.square().sum().backward()
+    ref(torch.ones(4, 3) * 2.0).square().sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
