@@ -588,3 +588,27 @@ def test_a_function_of_no_tensor_still_gives_its_parameters_gradients():
     ref(torch.ones(4, 3) * 2.0).square().sum().backward()
     assert torch.equal(lin.weight.grad, ref.weight.grad)
     assert torch.equal(lin.bias.grad, ref.bias.grad)
+
+
+def test_the_recomputation_keeps_the_forwards_autocast_cache_setting():
+    seen = []
+
+    def f(t):
+        seen.append((is_recomputing(), torch.is_autocast_cache_enabled()))
+        return t * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        y = checkpoint(f, x)
+    y.float().sum().backward()  # outside autocast: the cache is on here
+    assert seen == [(False, False), (True, False)]
+
+
+def test_an_output_the_loss_does_not_use_gets_no_gradient_not_a_zero_one():
+    # Checkpoint does not materialise missing output gradients: a zero
+    # gradient through sqrt at 0 (an infinite derivative) would make x.grad
+    # nan where the loop's is 2 (issue 34: a mutation there survived).
+    x = torch.zeros(3, requires_grad=True)
+    a, b = checkpoint(lambda t: (t * 2, t.sqrt()), (x,))
+    a.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))
