@@ -135,3 +135,37 @@ def test_a_checkpointed_moe_layer_recomputes_from_each_experts_step_at_its_forwa
     (ly.square().sum() + laux).backward()
     torch.testing.assert_close(_grads(list(ours.experts), [x]), _grads(list(theirs.experts), [lx]))
     assert [e.step for e in ours.experts] == [e.step for e in theirs.experts]
+
+
+# -- which modules a call's order depends on -------------------------------------------------
+class OwnLinear(nn.Linear):
+    """A class of its own: its forward may set anything."""
+
+
+def test_only_torch_nn_modules_without_buffers_or_hooks_cannot_change() -> None:
+    from moe_autograd.module_state import may_change
+    assert not may_change(nn.Linear(2, 2)) and not may_change(nn.LayerNorm(2))
+    assert may_change(nn.BatchNorm1d(2))  # buffers: running statistics
+    hooked = nn.Linear(2, 2)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    assert may_change(hooked)
+    pre_hooked = nn.Linear(2, 2)
+    pre_hooked.register_forward_pre_hook(lambda m, i: None)
+    assert may_change(pre_hooked)
+    assert may_change(OwnLinear(2, 2)) and may_change(Stepper())
+
+
+def test_submodules_lists_a_shared_module_once_in_modules_order() -> None:
+    from moe_autograd.module_state import submodules
+    shared = nn.BatchNorm1d(D)
+    root = nn.Sequential(nn.Linear(D, D), shared, nn.Sequential(shared, nn.ReLU()))
+    assert submodules(root) == list(root.modules())
+    assert [type(m) for m in submodules(root)].count(nn.BatchNorm1d) == 1
+
+
+def test_calls_are_ordered_by_the_stateful_modules_they_reach() -> None:
+    from moe_autograd.module_call import ModuleCall
+    shared = nn.BatchNorm1d(D)
+    expert = nn.Sequential(nn.Linear(D, D), shared, OwnLinear(D, D))
+    call = ModuleCall(expert, (torch.randn(2, D),), {})
+    assert call.order_keys() == [id(expert), id(shared), id(expert[2])]
