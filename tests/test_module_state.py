@@ -169,3 +169,64 @@ def test_calls_are_ordered_by_the_stateful_modules_they_reach() -> None:
     expert = nn.Sequential(nn.Linear(D, D), shared, OwnLinear(D, D))
     call = ModuleCall(expert, (torch.randn(2, D),), {})
     assert call.order_keys() == [id(expert), id(shared), id(expert[2])]
+
+
+# -- ModuleState itself ----------------------------------------------------------------------
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = torch.ones(2)  # a tensor attribute the forward leaves alone
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.aux = x.sum()  # a tensor attribute the forward sets
+        return x * 2
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)  # unchanged by the forward: first in the walk
+        self.inner = Inner()
+
+
+def test_compare_finds_tensor_attributes_set_deep_in_the_tree_and_only_those() -> None:
+    from moe_autograd.module_state import ModuleState
+    root = Root()
+    state = ModuleState(root, checkpoint=False)  # walks the tree itself
+    root.inner(torch.ones(2))
+    found = state.compare()
+    assert state.set_attrs == [(root.inner, "aux")]
+    assert len(found) == 1 and found[0] is root.inner.aux
+
+
+def test_a_checkpointed_call_replays_the_buffers_its_forward_found() -> None:
+    from moe_autograd.module_state import ModuleState
+    bn = nn.BatchNorm1d(2)
+    state = ModuleState(bn, checkpoint=True)
+    start_mean, start_count = bn.running_mean.clone(), int(bn.num_batches_tracked)
+    bn(torch.randn(4, 2) + 5)  # the forward advances the running statistics
+    after_mean = bn.running_mean.clone()
+    assert state.changes
+    with state.replayed():
+        assert torch.equal(bn.running_mean, start_mean)
+        assert int(bn.num_batches_tracked) == start_count
+        bn(torch.randn(4, 2))  # a recomputation advances the copies, not the forward's
+    assert torch.equal(bn.running_mean, after_mean) and int(bn.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_batch_norm_expert_recomputes_from_the_statistics_its_forward_found(
+        mode: str, several_lanes: int) -> None:
+    torch.manual_seed(3)
+    ours = [nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()) for _ in range(2)]
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(5, D, requires_grad=True) for _ in ours]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs = parallel_apply(ours, xs, checkpoint=True, mode=mode)
+    want = _loop(theirs, lxs)
+    sum(o.square().sum() for o in outs).backward()
+    sum(o.square().sum() for o in want).backward()
+    torch.testing.assert_close(_grads(ours, xs), _grads(theirs, lxs))
+    for a, b in zip(ours, theirs):  # advanced once, as by the loop
+        torch.testing.assert_close(a[1].running_mean, b[1].running_mean)
+        assert int(a[1].num_batches_tracked) == int(b[1].num_batches_tracked) == 1
