@@ -30,8 +30,8 @@ What a run leaves out, and why:
 
 Equivalent mutants (no test can tell them apart from the code) are listed,
 each with its reason, in ``tests/mutation_equivalents.toml``; the kill rate
-is ``killed / (mutants - equivalent - not reached)`` per file, and the
-mutants that no test reaches are counted and listed apart.
+is ``killed / (mutants - equivalent)`` per file (a mutant that no test
+reaches counts as a survivor; the report says how many there are).
 
 Usage::
 
@@ -211,7 +211,7 @@ def report(shards: Sequence[str]) -> Dict[str, Tuple[int, int, int, int, int]]:
                 else:
                     other += 1
                     survivors.append(f"{name} (exit {code})")
-            judged = killed + survived
+            judged = killed + survived + untested  # a mutant no test reaches survives
             rate = 100.0 * killed / judged if judged else 100.0
             table[path] = (killed, survived, equiv, untested, other)
             print(f"{path}: {rate:.1f}% killed ({killed}/{judged}; {equiv} equivalent, "
