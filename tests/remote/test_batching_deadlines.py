@@ -1,9 +1,11 @@
-"""Deadlines of coalesced calls (:mod:`moe_autograd.remote.batching`): calls
+"""Deadlines and failures of coalesced calls (:mod:`moe_autograd.remote.batching`): calls
 with different deadlines in ONE message each keep their own, a pass's
 deadline (a ``MixtureOfExperts``' ``forward_timeout``) ends a call sooner,
 and a call whose deadline passed ends its job, its message and its state
 (issue 34: survivors of a mutation run; the straggler tests only checked
-that the layer masks).
+that the layer masks). A message that fails, or a reply that is malformed or
+an error, fails each of its calls with an error naming it; a map of
+``RemoteCall`` coalesces as module calls do.
 
 No timing: the client's clock is a fake (``batching.time`` replaced in that
 module only) and the transport a recorder whose reply the test hands in;
@@ -18,10 +20,11 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteTimeoutError, batching
-from moe_autograd.remote import flush_releases
+from moe_autograd.remote import (ExpertServer, RemoteAuthError, RemoteExpert, RemoteExpertError,
+                                 RemoteTimeoutError, batching, flush_releases)
 from moe_autograd.remote.batching import GRACE_S, Job, send
 from moe_autograd.remote.frame import Frame
+from moe_autograd.remote.transport import TransportError, TransportSendError, TransportTimeout
 from wiring import InProcess
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,6 +49,8 @@ class Held:
         return self.reply is not None
 
     def result(self, timeout: Optional[float]) -> Any:
+        if isinstance(self.reply, BaseException):
+            raise self.reply
         return self.reply
 
     def add_done_callback(self, fn: Any) -> None:
@@ -257,3 +262,87 @@ def test_the_layers_pass_deadline_ends_a_masked_calls_job_message_and_state() ->
     finally:
         gated.gate.set()
         server.close()
+
+
+# -- a message that fails, a reply that is no answer ----------------------------------------
+@pytest.mark.parametrize("error, kind, text", [
+    (TransportSendError("peer gone"), RemoteExpertError, "could not be sent: peer gone"),
+    (TransportTimeout("no reply"), RemoteTimeoutError, "missed its 30 s deadline (no reply)"),
+    (RemoteAuthError("bad seal"), RemoteAuthError, "was refused: bad seal"),
+    (TransportError("reset"), RemoteExpertError,
+     "failed (is the worker alive and reachable?): reset"),
+])
+def test_a_failed_message_fails_each_of_its_calls_naming_it(wired, error, kind, text) -> None:
+    clock, recorder = wired
+    abandoned: List[str] = []
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0], abandoned), None)
+    recorder.sent[0][2].answer(error)
+    for k in range(2):
+        value, failure = results[k]
+        assert value is None and type(failure) is kind
+        assert str(failure) == f"forward of expert 'e{k}' on worker 'w' {text}"
+    # a timeout gives the calls up (their states released); other failures do not
+    assert abandoned == (["e0", "e1"] if kind is RemoteTimeoutError else [])
+
+
+def test_a_message_that_cannot_be_sent_fails_each_call(wired, monkeypatch) -> None:
+    clock, recorder = wired
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("not a wire value")
+    monkeypatch.setattr(batching, "send_request", refuse)
+    results = _send(_jobs(Peer(default=None), [30.0, None], []), None)
+    for k in range(2):
+        assert isinstance(results[k][1], RemoteExpertError)
+        assert str(results[k][1]) == (f"forward of expert 'e{k}' on worker 'w' could not be "
+                                      "sent: TypeError: not a wire value")
+
+
+@pytest.mark.parametrize("reply, text", [
+    ("garbage", "got a malformed reply: 'garbage'"),
+    (["ok", "x", "y"], "got a malformed reply: ['ok', 'x', 'y']"),
+    (["error", "server stopping"], "failed on the server: server stopping"),
+    (["ok", [[None], False]], "got a malformed reply: [[None], False]"),  # one answer for two
+    (["ok", [None, False]], "got a malformed reply: [None, False]"),
+    (["ok", [[None, None]]], "got a malformed reply: [[None, None]]"),
+])
+def test_a_batch_reply_that_is_no_answer_fails_each_call(wired, reply, text) -> None:
+    clock, recorder = wired
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0], []), None)
+    recorder.sent[0][2].answer(reply)
+    assert [str(results[k][1]) for k in range(2)] == [
+        f"forward of expert 'e{k}' on worker 'w' {text}" for k in range(2)]
+    assert all(type(results[k][1]) is RemoteExpertError for k in range(2))
+
+
+def test_an_answer_is_the_calls_own_result_or_error(wired) -> None:
+    clock, recorder = wired
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0, 30.0], []), None)
+    recorder.sent[0][2].answer(["ok", [[["ok", 1], ["error", "boom"], "bad"], False]])
+    assert results[0] == (1, None)
+    assert str(results[1][1]) == "forward of expert 'e1' on worker 'w' failed on the server: boom"
+    assert str(results[2][1]) == "forward of expert 'e2' on worker 'w' got a malformed reply: 'bad'"
+    assert len(recorder.sent) == 1  # nothing left open: no collect
+
+
+# -- a map of RemoteCall, in this process -----------------------------------------------------
+@pytest.mark.parametrize("backward", ["stateless", "stateful"])
+def test_a_map_of_remote_calls_coalesces_and_gets_the_loops_gradients(backward: str) -> None:
+    from moe_autograd import map_with_parallel_backward
+    from moe_autograd.remote import RemoteCall
+
+    transport = Recording()
+    modules = {f"map_{backward}_{k}": nn.Linear(3, 3) for k in range(3)}
+    with ExpertServer(modules, backward=backward, transport=transport):
+        experts = [RemoteExpert("here", name, transport=transport) for name in modules]
+        xs = [torch.randn(2, 3, requires_grad=True) for _ in experts]
+        results = map_with_parallel_backward(
+            RemoteCall, *[e.function_args(x) for e, x in zip(experts, xs)])
+        assert [label for label, _ in transport.sent] == ["batch:forward"]
+        sum((r[0] * (k + 1)).sum() for k, r in enumerate(results)).backward()
+        assert [label for label, _ in transport.sent][-1] == "batch:backward"
+        lxs = [x.detach().clone().requires_grad_() for x in xs]
+        sum((m(x) * (k + 1)).sum() for k, (m, x) in enumerate(zip(modules.values(), lxs))).backward()
+        torch.testing.assert_close([x.grad for x in xs], [x.grad for x in lxs])
+        for k, (r, m, x) in enumerate(zip(results, modules.values(), lxs)):
+            torch.testing.assert_close(r[0], m(x))
