@@ -346,3 +346,80 @@ def test_a_map_of_remote_calls_coalesces_and_gets_the_loops_gradients(backward: 
         torch.testing.assert_close([x.grad for x in xs], [x.grad for x in lxs])
         for k, (r, m, x) in enumerate(zip(results, modules.values(), lxs)):
             torch.testing.assert_close(r[0], m(x))
+
+
+# -- collected calls in this process: outputs, gradients, the backward's deadline -----------
+class TwoOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor, y: Tensor) -> Tuple[Tensor, Tensor]:
+        h = torch.tanh(self.lin(x))
+        return h + y, h * y
+
+
+class Blows(nn.Module):
+    """An infinite gradient for its input."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.sqrt()  # at 0
+
+
+@pytest.mark.parametrize("backward", ["stateless", "stateful"])
+def test_collected_calls_return_what_the_expert_returns_and_the_loops_gradients(
+        backward: str) -> None:
+    from moe_autograd import parallel_apply
+
+    transport = Recording()
+    modules: Dict[str, nn.Module] = {f"col_{backward}_one": nn.Linear(3, 3),
+                                     f"col_{backward}_two": TwoOut()}
+    with ExpertServer(modules, backward=backward, transport=transport):
+        one, two = (RemoteExpert("here", name, transport=transport) for name in modules)
+        x, y, z = (torch.randn(2, 3, requires_grad=True) for _ in range(3))
+        outs = parallel_apply([one, two], [x, (y, z)])
+        assert isinstance(outs[0], Tensor) and isinstance(outs[1], tuple) and len(outs[1]) == 2
+        (outs[0].square().sum() + (outs[1][0] * outs[1][1]).sum()).backward()
+        assert [label for label, _ in transport.sent] == ["batch:forward", "batch:backward"]
+        lx, ly, lz = (t.detach().clone().requires_grad_() for t in (x, y, z))
+        m1, m2 = modules.values()
+        want = (m1(lx), m2(ly, lz))
+        (want[0].square().sum() + (want[1][0] * want[1][1]).sum()).backward()
+        torch.testing.assert_close(outs[0], want[0])
+        torch.testing.assert_close(outs[1], want[1])
+        torch.testing.assert_close([x.grad, y.grad, z.grad], [lx.grad, ly.grad, lz.grad])
+
+
+def test_a_non_finite_gradient_from_a_collected_call_is_refused_naming_it() -> None:
+    from moe_autograd.parallel import finish_calls, start_calls
+
+    transport = Recording()
+    with ExpertServer({"col_blows": Blows(), "col_lin": nn.Linear(3, 3)}, transport=transport):
+        experts = [RemoteExpert("here", name, transport=transport)
+                   for name in ("col_lin", "col_blows")]
+        xs = [torch.randn(2, 3, requires_grad=True), torch.zeros(2, 3, requires_grad=True)]
+
+        def run(n: int) -> List[Any]:
+            calls, group = start_calls(experts[:n], xs[:n], check_finite_grads=True)
+            group.wait()
+            return finish_calls(calls)
+        outs = run(2)
+        with pytest.raises(FloatingPointError, match=r"call 1 of 2: non-finite gradient"):
+            sum(o.sum() for o in outs).backward()
+        run(1)[0].sum().backward()  # finite: no error
+        assert xs[0].grad is not None
+
+
+def test_the_layers_backward_deadline_bounds_its_backward_message() -> None:
+    from moe_autograd.moe import MixtureOfExperts
+
+    transport = Recording()
+    modules = {f"bd_lin{k}": nn.Linear(3, 3) for k in range(3)}
+    with ExpertServer(modules, backward="stateful", transport=transport):
+        experts = [RemoteExpert("here", name, backward_timeout=30.0, transport=transport)
+                   for name in modules]
+        moe = MixtureOfExperts(experts, 3, k=3, backward_timeout=5.0)
+        y, aux = moe(torch.randn(4, 3, requires_grad=True))
+        (y.sum() + aux).backward()
+        backward = [t for label, t in transport.sent if label == "batch:backward"]
+        assert backward and all(t is not None and t <= 5.0 + GRACE_S for t in backward)
