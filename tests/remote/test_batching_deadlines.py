@@ -423,3 +423,85 @@ def test_the_layers_backward_deadline_bounds_its_backward_message() -> None:
         (y.sum() + aux).backward()
         backward = [t for label, t in transport.sent if label == "batch:backward"]
         assert backward and all(t is not None and t <= 5.0 + GRACE_S for t in backward)
+
+
+# -- a call alone (run_sync) ---------------------------------------------------------------
+class Timed(Held):
+    """A reply that arrives ``after`` seconds of the fake clock; records the
+    wait the caller asked for."""
+
+    def __init__(self, clock: Clock, after: float, reply: Any) -> None:
+        super().__init__()
+        self.clock, self.after, self.reply = clock, after, reply
+        self.waits: List[Optional[float]] = []
+
+    def result(self, timeout: Optional[float]) -> Any:
+        self.waits.append(timeout)
+        self.clock.now += self.after
+        return super().result(timeout)
+
+
+def _alone(monkeypatch: pytest.MonkeyPatch, clock: Clock, timeout: Optional[float], after: float,
+           reply: Any, abandoned: List[str]) -> Tuple[Job, Timed, List[Tuple[Any, ...]]]:
+    pending = Timed(clock, after, reply)
+    sent: List[Tuple[Any, ...]] = []
+
+    def request(transport: Any, worker: str, message: Dict[str, Any],
+                t: Optional[float], *, secret: Any = None, label: str = "") -> Timed:
+        sent.append((transport, worker, message, t, secret, label))
+        return pending
+    monkeypatch.setattr(batching, "send_request", request)
+    [job] = _jobs(Peer(default=None), [timeout], abandoned)
+    job.secret = "the job's secret"  # type: ignore[assignment]
+    return job, pending, sent
+
+
+def test_a_lone_call_waits_until_its_deadline_and_no_longer(wired, monkeypatch) -> None:
+    from moe_autograd.remote.batching import run_sync
+    clock, _ = wired
+    abandoned: List[str] = []
+    job, pending, sent = _alone(monkeypatch, clock, 30.0, 12.0, ["ok", "v"], abandoned)
+    assert run_sync(job) == "v"
+    assert sent == [(job.transport, "w", {"op": "forward", "expert": "e0"}, 30.0,
+                     "the job's secret", "forward")]
+    assert pending.waits == [30.0] and abandoned == []
+    job, pending, _ = _alone(monkeypatch, clock, 30.0, 30.0, ["ok", "on time"], abandoned)
+    assert run_sync(job) == "on time"  # exactly at the deadline: in time
+    job, pending, _ = _alone(monkeypatch, clock, None, 1e6, ["ok", "whenever"], abandoned)
+    assert run_sync(job) == "whenever" and pending.waits == [None]
+
+
+def test_a_lone_calls_late_reply_is_dropped_and_the_call_given_up(wired, monkeypatch) -> None:
+    from moe_autograd.remote.batching import run_sync
+    clock, _ = wired
+    abandoned: List[str] = []
+    job, pending, _ = _alone(monkeypatch, clock, 30.0, 31.0, ["ok", "late"], abandoned)
+    with pytest.raises(RemoteTimeoutError) as info:
+        run_sync(job)
+    assert str(info.value) == ("forward of expert 'e0' on worker 'w' missed its 30 s deadline "
+                               "(the reply came after 31.000000 s and was dropped)")
+    assert abandoned == ["e0"]
+
+
+@pytest.mark.parametrize("error, gives_up", [
+    (TransportTimeout("t"), True), (TransportSendError("s"), False),
+    (RemoteAuthError("a"), False), (TransportError("e"), False)])
+def test_a_lone_call_that_fails_gives_up_its_state_only_on_a_timeout(
+        wired, monkeypatch, error: BaseException, gives_up: bool) -> None:
+    from moe_autograd.remote.batching import run_sync
+    clock, _ = wired
+    abandoned: List[str] = []
+    job, pending, _ = _alone(monkeypatch, clock, 30.0, 0.0, error, abandoned)
+    with pytest.raises(RemoteExpertError, match="forward of expert 'e0' on worker 'w'"):
+        run_sync(job)
+    assert abandoned == (["e0"] if gives_up else [])
+
+
+def test_an_interrupted_lone_call_gives_up_its_state(wired, monkeypatch) -> None:
+    from moe_autograd.remote.batching import run_sync
+    clock, _ = wired
+    abandoned: List[str] = []
+    job, pending, _ = _alone(monkeypatch, clock, None, 0.0, KeyboardInterrupt(), abandoned)
+    with pytest.raises(KeyboardInterrupt):
+        run_sync(job)
+    assert abandoned == ["e0"]
