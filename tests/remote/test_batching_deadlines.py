@@ -505,3 +505,43 @@ def test_an_interrupted_lone_call_gives_up_its_state(wired, monkeypatch) -> None
     with pytest.raises(KeyboardInterrupt):
         run_sync(job)
     assert abandoned == ["e0"]
+
+
+def test_an_answer_at_its_deadline_is_in_time(wired) -> None:
+    clock, recorder = wired
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0], []), None)
+    clock.now += 30.0  # exactly the deadline: not after it
+    recorder.sent[0][2].answer(["ok", [[["ok", 0], ["ok", 1]], False]])
+    assert results == {0: (0, None), 1: (1, None)}
+    results = _send(_jobs(Peer(default=None), [30.0], []), None)  # a lone call's message
+    clock.now += 30.0
+    recorder.sent[1][2].answer(["ok", "alone"])
+    assert results == {0: ("alone", None)}
+
+
+class HalfDetached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        h = self.lin(x)
+        return h, h.detach() * 2
+
+
+@pytest.mark.parametrize("backward", [
+    pytest.param("stateless", marks=pytest.mark.xfail(strict=True, reason=(
+        "a stateless server runs the forward without a graph (remote/execution.py "
+        "run_forward), so it marks every floating output differentiable: an output the "
+        "expert detached requires grad on the client, unlike the loop (issue 34, reported"))),
+    "stateful"])
+def test_a_collected_calls_output_the_expert_detached_needs_no_gradient(backward: str) -> None:
+    from moe_autograd import parallel_apply
+
+    transport = Recording()
+    modules = {f"col_half_{backward}": HalfDetached(), f"col_l_{backward}": nn.Linear(3, 3)}
+    with ExpertServer(modules, backward=backward, transport=transport):
+        experts = [RemoteExpert("here", name, transport=transport) for name in modules]
+        x = torch.randn(2, 3, requires_grad=True)
+        (h, d), y = parallel_apply(experts, [x, x])
+        assert h.requires_grad and y.requires_grad and not d.requires_grad
