@@ -155,7 +155,7 @@ def recheck(shard: str, jobs: int) -> int:
     here = _prepare(shard)
     equivalent = _equivalents()
     names = [name for codes in _results(shard).values() for name, code in codes.items()
-             if code in _SURVIVED and name not in equivalent]
+             if (code in _SURVIVED or code in _NO_TESTS) and name not in equivalent]
     if not names:
         print(f"{shard}: no survivors to recheck")
         return 0
