@@ -124,7 +124,8 @@ def test_calls_with_different_deadlines_in_one_message_each_keep_their_own(wired
     assert results[1] == ("a1", None)
     value, error = results[0]
     assert value is None and isinstance(error, RemoteTimeoutError)
-    assert "forward of expert 'e0' on worker 'w' missed its 30 s deadline" in str(error)
+    assert str(error) == ("forward of expert 'e0' on worker 'w' missed its 30 s deadline (no reply "
+                          "within 30 s)")
     assert abandoned == ["e0"]
     # e2 still open: one collect, whose own timeout reaches e2's deadline only
     assert [m["op"] for m, _, _ in recorder.sent] == ["batch", "collect"]
@@ -147,9 +148,12 @@ def test_a_pass_deadline_ends_the_calls_it_precedes_sooner(wired) -> None:
     assert sorted(abandoned) == ["e0", "e1", "e2"]
     errors = [str(results[k][1]) for k in range(3)]
     assert all(isinstance(results[k][1], RemoteTimeoutError) for k in range(3))
-    assert "'e0' on worker 'w' missed its 30 s deadline" in errors[0]
+    assert errors[0] == ("forward of expert 'e0' on worker 'w' missed its 30 s deadline (no "
+                         "reply within 30 s)")
     for k in (1, 2):
-        assert f"'e{k}' on worker 'w' was given up after 40 s: its pass" in errors[k]
+        assert errors[k] == (f"forward of expert 'e{k}' on worker 'w' was given up after 40 s: "
+                             "its pass (e.g. a MixtureOfExperts' forward_timeout or "
+                             "backward_timeout) stopped waiting before the call's own deadline")
 
 
 def test_a_pass_deadline_later_than_a_calls_own_leaves_the_own(wired) -> None:
@@ -317,11 +321,12 @@ def test_a_batch_reply_that_is_no_answer_fails_each_call(wired, reply, text) -> 
 
 def test_an_answer_is_the_calls_own_result_or_error(wired) -> None:
     clock, recorder = wired
-    results = _send(_jobs(Peer(default=None), [30.0, 30.0, 30.0], []), None)
-    recorder.sent[0][2].answer(["ok", [[["ok", 1], ["error", "boom"], "bad"], False]])
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0, 30.0, 30.0], []), None)
+    recorder.sent[0][2].answer(["ok", [[["ok", 1], ["error", "boom"], "bad", "ab"], False]])
     assert results[0] == (1, None)
     assert str(results[1][1]) == "forward of expert 'e1' on worker 'w' failed on the server: boom"
     assert str(results[2][1]) == "forward of expert 'e2' on worker 'w' got a malformed reply: 'bad'"
+    assert str(results[3][1]) == "forward of expert 'e3' on worker 'w' got a malformed reply: 'ab'"
     assert len(recorder.sent) == 1  # nothing left open: no collect
 
 
@@ -469,6 +474,8 @@ def test_a_lone_call_waits_until_its_deadline_and_no_longer(wired, monkeypatch) 
     assert run_sync(job) == "on time"  # exactly at the deadline: in time
     job, pending, _ = _alone(monkeypatch, clock, None, 1e6, ["ok", "whenever"], abandoned)
     assert run_sync(job) == "whenever" and pending.waits == [None]
+    job, pending, _ = _alone(monkeypatch, clock, 0.5, 0.0, ["ok", "soon"], abandoned)
+    assert run_sync(job) == "soon" and pending.waits == [0.5]  # never longer than the deadline
 
 
 def test_a_lone_calls_late_reply_is_dropped_and_the_call_given_up(wired, monkeypatch) -> None:
@@ -545,3 +552,27 @@ def test_a_collected_calls_output_the_expert_detached_needs_no_gradient(backward
         x = torch.randn(2, 3, requires_grad=True)
         (h, d), y = parallel_apply(experts, [x, x])
         assert h.requires_grad and y.requires_grad and not d.requires_grad
+
+
+@pytest.mark.parametrize("default, text", [
+    (70.0, "missed the transport's own timeout (no reply within 70 s)"),
+    (None, "missed the transport's own timeout (no reply)")])
+def test_a_call_without_its_own_deadline_says_whose_timeout_it_missed(
+        wired, default: Optional[float], text: str) -> None:
+    clock, recorder = wired
+    results = _send(_jobs(Peer(default=default), [30.0, None], []), None)
+    clock.now += 80.0
+    recorder.sent[0][2].answer(["ok", [[None, None], False]])  # the server gave up on both
+    assert str(results[1][1]) == f"forward of expert 'e1' on worker 'w' {text}"
+
+
+def test_a_failing_collect_fails_the_calls_still_open(wired) -> None:
+    clock, recorder = wired
+    results = _send(_jobs(Peer(default=None), [30.0, 30.0, 30.0], []), None)
+    recorder.sent[0][2].answer(["ok", [[["ok", 0], None, None], True]])
+    assert results == {0: (0, None)} and recorder.sent[1][0]["op"] == "collect"
+    recorder.sent[1][2].answer(TransportSendError("peer gone"))
+    assert results[0] == (0, None)  # already answered: kept
+    for k in (1, 2):
+        assert str(results[k][1]) == f"forward of expert 'e{k}' on worker 'w' could not be sent: " \
+                                     "peer gone"
