@@ -576,3 +576,26 @@ def test_a_failing_collect_fails_the_calls_still_open(wired) -> None:
     for k in (1, 2):
         assert str(results[k][1]) == f"forward of expert 'e{k}' on worker 'w' could not be sent: " \
                                      "peer gone"
+
+
+@pytest.mark.parametrize("backward", ["stateless", "stateful"])
+def test_a_remote_call_the_collector_cannot_carry_runs_on_a_worker_with_the_loops_gradients(
+        backward: str) -> None:
+    # checkpoint=True (and keyword arguments) are not collected: the record
+    # runs as a plain ModuleCall on a worker, through its own graph
+    from moe_autograd import parallel_apply
+
+    transport = Recording()
+    modules = {f"wk_{backward}_{k}": nn.Linear(3, 3) for k in range(2)}
+    with ExpertServer(modules, backward=backward, transport=transport):
+        experts = [RemoteExpert("here", name, transport=transport) for name in modules]
+        xs = [torch.randn(2, 3, requires_grad=True) for _ in experts]
+        outs = parallel_apply(experts, xs, checkpoint=True)
+        assert all(isinstance(o, Tensor) for o in outs)
+        sum(o.square().sum() for o in outs).backward()
+        assert not any(label.startswith("batch") for label, _ in transport.sent)
+        lxs = [x.detach().clone().requires_grad_() for x in xs]
+        want = [m(x) for m, x in zip(modules.values(), lxs)]
+        sum(o.square().sum() for o in want).backward()
+        torch.testing.assert_close(outs, want)
+        torch.testing.assert_close([x.grad for x in xs], [x.grad for x in lxs])
