@@ -55,6 +55,8 @@ def test_make_mutate_runs_the_tool_with_the_mutate_extra() -> None:
     target = makefile.split("\nmutate:")[1].split("\n\n")[0]
     assert "nice -n 10 $(PY) tools/mutate.py run $(SHARD)" in target
     assert "'.[test,mutate]'" in makefile
+    report = makefile.split("\nmutate-report:")[1].split("\n\n")[0]
+    assert "$(PY) tools/mutate.py report" in report
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
     extras = config["options.extras_require"]

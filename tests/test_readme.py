@@ -87,6 +87,8 @@ COMMANDS: Dict[str, List[str]] = {
     "make fuzz": ["tests/oracle/test_oracle.py::test_runtime_equals_loop", "test_make_targets"],
     "make zoo": ["tests/moe/test_zoo_models.py::test_model_equals_stock", "test_make_targets"],
     "make mutate": ["tests/test_mutate_tool.py::test_make_mutate_runs_the_tool_with_the_mutate_extra"],
+    "make mutate-report": ["tests/test_mutate_tool.py::"
+                           "test_make_mutate_runs_the_tool_with_the_mutate_extra"],
     "make mutate SHARD=...": ["tests/test_mutate_tool.py::"
                               "test_mutation_shards_name_existing_files_and_cover_the_issue_34_modules"],
     "pip install -e '.[examples]'": ["test_extras"],
