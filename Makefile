@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench zoo fuzz compat venv clean
+.PHONY: test demo bench zoo fuzz compat mutate mutate-report venv clean
 
 venv: $(STAMP)
 
@@ -58,5 +58,23 @@ compat:
 zoo: $(STAMP)
 	MOE_AUTOGRAD_ZOO=all $(PY) -m pytest tests/moe/test_zoo_*.py
 
+# Mutation testing (tools/mutate.py, mutmut): SHARD=all (default) runs every
+# shard, smallest first; SHARD=remote-state etc. one alone (`python
+# tools/mutate.py list`). Results stay in .mutate/<shard>/ (a rerun resumes);
+# `make mutate-report` prints the kill rates and survivors.
+SHARD ?= all
+MUTATE_JOBS ?= 2
+MUTATE_STAMP := $(VENV)/.mutate-installed
+
+$(MUTATE_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,mutate]'
+	touch $(MUTATE_STAMP)
+
+mutate: $(MUTATE_STAMP)
+	nice -n 10 $(PY) tools/mutate.py run $(SHARD) --jobs $(MUTATE_JOBS)
+
+mutate-report: $(MUTATE_STAMP)
+	$(PY) tools/mutate.py report
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info .mutate mutants

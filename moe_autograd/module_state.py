@@ -23,7 +23,8 @@ Lifecycle of one call's :class:`ModuleState`::
                and, for a checkpointed call, copies of its buffers
     compared   after the forward: tensor attributes set (carried as outputs)
     replayed   around the recomputation: the forward's starting state swapped
-               in (buffers as fresh copies, attributes as they were), then
+               in (buffers as fresh copies, attributes as they were: those it
+               set or deleted back, those it created gone), then
                everything the recomputation changed put back
 
 Invariants:
@@ -146,10 +147,11 @@ class ModuleState:
             now = [dict(m.__dict__) for m in self._modules]
             now_buffers = [dict(m._buffers) for m in self._modules]
             try:
-                for m, before, current in zip(self._modules, self._dicts, now):
-                    for k, v in before.items():
-                        if current.get(k) is not v:
-                            m.__dict__[k] = v
+                for m, before in zip(self._modules, self._dicts):
+                    # Every attribute as the forward found it: those it set
+                    # or deleted back, those it created gone (issue 34).
+                    m.__dict__.clear()
+                    m.__dict__.update(before)
                 for m, values in zip(self._modules, self._buffers or ()):
                     for name, value in values.items():
                         m._buffers[name] = value.clone()

@@ -119,3 +119,17 @@ def fresh_policy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     if request.module.__name__.rsplit(".", 1)[-1] in PARALLEL_NODE_FILES:
         monkeypatch.setenv("MOE_AUTOGRAD_MODE", "parallel")
     yield
+
+
+@pytest.fixture
+def several_lanes(monkeypatch: pytest.MonkeyPatch) -> int:
+    """``lanes`` mode with more than one lane, whatever the machine: lanes are
+    sized ``cores() // torch.get_num_threads()`` (see moe_autograd.policy), a
+    single lane on a 2-core machine, where a lanes run is a plain loop and
+    tests no concurrency at all. This makes the runtime see four lanes'
+    worth of cores (issue 34); the value is that lane count."""
+    import torch
+    from moe_autograd import policy
+    monkeypatch.setattr(policy, "cores", lambda: 4 * max(1, torch.get_num_threads()))
+    assert policy._lanes_for(4) == 4
+    return 4

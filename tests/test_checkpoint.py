@@ -376,7 +376,9 @@ def test_missing_recompute_raises():
     x = torch.randn(3, requires_grad=True)
     chk = Checkpointing(lambda t: t * 2, Batch(x))
     out = chk.checkpoint()
-    with pytest.raises(RuntimeError, match="Recompute"):
+    with pytest.raises(RuntimeError, match=r"^Checkpoint\.backward ran before its Recompute: "
+                                           r"call Checkpointing\.recompute\(\) on the output "
+                                           r"batch$"):
         out.tensor.sum().backward()
 
 
@@ -573,3 +575,40 @@ def test_checkpoint_recomputes_without_autocast_when_backward_runs_under_it():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y.sum().backward()
     assert dtypes == [torch.float32, torch.float32]
+
+
+def test_a_function_of_no_tensor_still_gives_its_parameters_gradients():
+    # No input tensor: the phony that keeps Checkpoint in the graph lives on
+    # the CPU (issue 34: a mutation of that fallback survived).
+    lin = nn.Linear(3, 2)
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(lin.state_dict())
+    out = checkpoint(lambda n, s: lin(torch.ones(n, 3) * s), (4, 2.0))
+    out.square().sum().backward()
+    ref(torch.ones(4, 3) * 2.0).square().sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad)
+    assert torch.equal(lin.bias.grad, ref.bias.grad)
+
+
+def test_the_recomputation_keeps_the_forwards_autocast_cache_setting():
+    seen = []
+
+    def f(t):
+        seen.append((is_recomputing(), torch.is_autocast_cache_enabled()))
+        return t * 2
+
+    x = torch.randn(3, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        y = checkpoint(f, x)
+    y.float().sum().backward()  # outside autocast: the cache is on here
+    assert seen == [(False, False), (True, False)]
+
+
+def test_an_output_the_loss_does_not_use_gets_no_gradient_not_a_zero_one():
+    # Checkpoint does not materialise missing output gradients: a zero
+    # gradient through sqrt at 0 (an infinite derivative) would make x.grad
+    # nan where the loop's is 2 (issue 34: a mutation there survived).
+    x = torch.zeros(3, requires_grad=True)
+    a, b = checkpoint(lambda t: (t * 2, t.sqrt()), (x,))
+    a.sum().backward()
+    assert torch.equal(x.grad, torch.full((3,), 2.0))

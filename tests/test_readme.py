@@ -49,6 +49,8 @@ RUN_HERE = {
 RECIPES = "tests/remote/test_recipes.py"
 ELSEWHERE: Dict[str, List[str]] = {
     "make demo     # trains a small MoE": ["tests/test_demos.py::test_demo_small"],
+    "make mutate SHARD=remote-state    # one shard": [
+        "tests/test_mutate_tool.py::test_make_mutate_runs_the_tool_with_the_mutate_extra"],
     "python -m moe_autograd serve --experts my_experts:make --name server-b --rank 1":
         [f"{RECIPES}::test_static_world_recipe"],
     "ray start --head --port=6379": [f"{RECIPES}::test_ray_cluster_recipe"],
@@ -69,6 +71,14 @@ NOT_RUN_AS_WRITTEN = {
     "make demo     # trains a small MoE with local and remote experts: python -m moe_autograd "
     "demo": "tests/test_demos.py runs python -m moe_autograd demo at 4 steps, 1 server "
             "(test_make_targets checks that make demo is that command)",
+    "make mutate SHARD=remote-state    # one shard: remote/state.py, remote/sizes.py":
+        "a mutation run takes minutes per shard: tests/test_mutate_tool.py checks its wiring",
+    "make mutate                       # every shard, smallest first (remote-state, remote-wire,":
+        "as make mutate SHARD=...",
+    "make mutate-report                # kill rate per file, and every survivor":
+        "reads a run's results (tools/mutate.py report)",
+    "python tools/mutate.py recheck SHARD   # the survivors again, after new tests":
+        "as make mutate SHARD=...",
     "ray start --head --port=6379 --num-cpus=4": "the test starts its head on loopback, in a "
         "temporary directory of its own, with the experts resource the workers would bring",
     "ray start --address=10.0.0.1:6379 --resources='{\"experts\": 4}'": "a second machine: "
@@ -84,6 +94,11 @@ COMMANDS: Dict[str, List[str]] = {
     "make zoo": ["tests/moe/test_zoo_models.py::test_model_equals_stock", "test_make_targets"],
     # CI runs it (.ci/run); about 15 minutes with its venvs to build, 6 without
     "make compat": ["test_compat_matrix_is_the_supported_range"],
+    "make mutate": ["tests/test_mutate_tool.py::test_make_mutate_runs_the_tool_with_the_mutate_extra"],
+    "make mutate-report": ["tests/test_mutate_tool.py::"
+                           "test_make_mutate_runs_the_tool_with_the_mutate_extra"],
+    "make mutate SHARD=...": ["tests/test_mutate_tool.py::"
+                              "test_mutation_shards_name_existing_files_and_cover_the_issue_34_modules"],
     "pip install -e '.[examples]'": ["test_extras"],
     "pip install moe_autograd[ray]": ["test_extras"],
     "pytest tests/remote --plans N": ["tests/remote/test_fault_plans.py"],

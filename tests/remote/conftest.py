@@ -179,6 +179,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     instance, so that each, shut down after the last of its tests, serves
     them all whichever files they are in."""
     here = os.path.dirname(os.path.abspath(__file__))
+    if os.environ.get("MOE_AUTOGRAD_MUTATE"):
+        # a mutation run (tools/mutate.py): no shared world or Ray instance,
+        # spawned again for every mutant; in-process servers cover their code
+        shared = [item for item in items if _uses_world(item) or _uses_ray(item)]
+        if shared:
+            config.hook.pytest_deselected(items=shared)
+            items[:] = [item for item in items if not (_uses_world(item) or _uses_ray(item))]
     slots = [k for k, item in enumerate(items) if str(item.path).startswith(here + os.sep)]
     mine = [items[k] for k in slots]
     mine.sort(key=lambda item: 0 if _uses_world(item) else 1 if _uses_ray(item) else 2)  # stable

@@ -1,0 +1,232 @@
+"""What an expert's forward changes on itself, seen by a checkpointed call's
+recomputation (:mod:`moe_autograd.module_state`): the recomputation starts
+from the module as the forward found it, plain (non-tensor) attributes
+included (issue 34: the oracle's stateful experts keep state in buffers only,
+so a mutation there survived; and an attribute the forward *created* was
+seen by the recomputation with the forward's value: fixed)."""
+import copy
+from typing import Any, List
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from moe_autograd import parallel_apply
+from moe_autograd.moe import MixtureOfExperts
+
+MODES = ["inline", "lanes", "parallel"]
+D = 4
+
+
+class Stepper(nn.Module):
+    """Reads back a plain attribute it sets: ``self.step += 1``."""
+
+    def __init__(self, step: int = 3) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.step = step
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.step += 1
+        return self.lin(x) * self.step
+
+
+class Creator(nn.Module):
+    """Creates an attribute on its first forward, reads it back after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.seen = getattr(self, "seen", 0) + 1
+        return self.lin(x) * self.seen
+
+
+class Deleter(nn.Module):
+    """Consumes (deletes) an attribute set before the call; None counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.scale: Any = 2.0
+        self.flag: Any = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = getattr(self, "scale", 5.0)
+        flagged = hasattr(self, "flag")
+        self.__dict__.pop("scale", None)
+        self.__dict__.pop("flag", None)
+        return self.lin(x) * scale * (3.0 if flagged else 1.0)
+
+
+class Outer(nn.Module):
+    """The stateful module sits one level down."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Stepper(step=10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x).tanh()
+
+
+def _grads(modules: List[nn.Module], xs: List[Tensor]) -> List[Tensor]:
+    return [p.grad.clone() for m in modules for p in m.parameters()] + [x.grad for x in xs]
+
+
+def _loop(modules: List[nn.Module], xs: List[Tensor]) -> List[Tensor]:
+    return [m(x) for m, x in zip(modules, xs)]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", [Stepper, Creator, Deleter, Outer])
+def test_a_checkpointed_recomputation_starts_from_the_plain_attributes_the_forward_found(
+        mode: str, kind: Any, several_lanes: int) -> None:
+    torch.manual_seed(0)
+    ours = [kind() for _ in range(3)]
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(2, D, requires_grad=True) for _ in ours]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs = parallel_apply(ours, xs, checkpoint=True, mode=mode)
+    want = _loop(theirs, lxs)
+    for a, b in zip(outs, want):
+        torch.testing.assert_close(a, b)
+    sum(o.square().sum() for o in outs).backward()  # recomputes every call
+    sum(o.square().sum() for o in want).backward()
+    torch.testing.assert_close(_grads(ours, xs), _grads(theirs, lxs))
+    # and the module is left as the forward left it (once, not twice)
+    for a, b in zip(ours, theirs):
+        assert {k: v for k, v in vars(a).items() if not k.startswith("_")} == \
+            {k: v for k, v in vars(b).items() if not k.startswith("_")}
+    if kind is Stepper:
+        assert [m.step for m in ours] == [4, 4, 4]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calls_of_one_module_recompute_each_from_the_step_its_forward_found(
+        mode: str, several_lanes: int) -> None:
+    torch.manual_seed(1)
+    ours = Stepper(step=7)
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(2, D, requires_grad=True) for _ in range(3)]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs = parallel_apply([ours] * 3, xs, checkpoint=True, mode=mode)
+    want = [theirs(x) for x in lxs]  # 8, 9, 10: each call reads its predecessor's step
+    for a, b in zip(outs, want):
+        torch.testing.assert_close(a, b)
+    sum(o.square().sum() for o in outs).backward()
+    sum(o.square().sum() for o in want).backward()
+    torch.testing.assert_close(_grads([ours], xs), _grads([theirs], lxs))
+    assert ours.step == theirs.step == 10
+
+
+def test_a_checkpointed_moe_layer_recomputes_from_each_experts_step_at_its_forward() -> None:
+    torch.manual_seed(2)
+    experts = [Stepper(step=k) for k in range(4)]
+    ours = MixtureOfExperts(experts, D, k=2, checkpoint=True)
+    theirs = copy.deepcopy(ours)
+    theirs.checkpoint = False
+    x = torch.randn(6, D, requires_grad=True)
+    lx = x.detach().clone().requires_grad_()
+    (y, aux), (ly, laux) = ours(x), theirs(lx)
+    torch.testing.assert_close(y, ly)
+    (y.square().sum() + aux).backward()
+    (ly.square().sum() + laux).backward()
+    torch.testing.assert_close(_grads(list(ours.experts), [x]), _grads(list(theirs.experts), [lx]))
+    assert [e.step for e in ours.experts] == [e.step for e in theirs.experts]
+
+
+# -- which modules a call's order depends on -------------------------------------------------
+class OwnLinear(nn.Linear):
+    """A class of its own: its forward may set anything."""
+
+
+def test_only_torch_nn_modules_without_buffers_or_hooks_cannot_change() -> None:
+    from moe_autograd.module_state import may_change
+    assert not may_change(nn.Linear(2, 2)) and not may_change(nn.LayerNorm(2))
+    assert may_change(nn.BatchNorm1d(2))  # buffers: running statistics
+    hooked = nn.Linear(2, 2)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    assert may_change(hooked)
+    pre_hooked = nn.Linear(2, 2)
+    pre_hooked.register_forward_pre_hook(lambda m, i: None)
+    assert may_change(pre_hooked)
+    assert may_change(OwnLinear(2, 2)) and may_change(Stepper())
+
+
+def test_submodules_lists_a_shared_module_once_in_modules_order() -> None:
+    from moe_autograd.module_state import submodules
+    shared = nn.BatchNorm1d(D)
+    root = nn.Sequential(nn.Linear(D, D), shared, nn.Sequential(shared, nn.ReLU()))
+    assert submodules(root) == list(root.modules())
+    assert [type(m) for m in submodules(root)].count(nn.BatchNorm1d) == 1
+
+
+def test_calls_are_ordered_by_the_stateful_modules_they_reach() -> None:
+    from moe_autograd.module_call import ModuleCall
+    shared = nn.BatchNorm1d(D)
+    expert = nn.Sequential(nn.Linear(D, D), shared, OwnLinear(D, D))
+    call = ModuleCall(expert, (torch.randn(2, D),), {})
+    assert call.order_keys() == [id(expert), id(shared), id(expert[2])]
+
+
+# -- ModuleState itself ----------------------------------------------------------------------
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept = torch.ones(2)  # a tensor attribute the forward leaves alone
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.aux = x.sum()  # a tensor attribute the forward sets
+        return x * 2
+
+
+class Root(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)  # unchanged by the forward: first in the walk
+        self.inner = Inner()
+
+
+def test_compare_finds_tensor_attributes_set_deep_in_the_tree_and_only_those() -> None:
+    from moe_autograd.module_state import ModuleState
+    root = Root()
+    state = ModuleState(root, checkpoint=False)  # walks the tree itself
+    root.inner(torch.ones(2))
+    found = state.compare()
+    assert state.set_attrs == [(root.inner, "aux")]
+    assert len(found) == 1 and found[0] is root.inner.aux
+
+
+def test_a_checkpointed_call_replays_the_buffers_its_forward_found() -> None:
+    from moe_autograd.module_state import ModuleState
+    bn = nn.BatchNorm1d(2)
+    state = ModuleState(bn, checkpoint=True)
+    start_mean, start_count = bn.running_mean.clone(), int(bn.num_batches_tracked)
+    bn(torch.randn(4, 2) + 5)  # the forward advances the running statistics
+    after_mean = bn.running_mean.clone()
+    assert state.changes
+    with state.replayed():
+        assert torch.equal(bn.running_mean, start_mean)
+        assert int(bn.num_batches_tracked) == start_count
+        bn(torch.randn(4, 2))  # a recomputation advances the copies, not the forward's
+    assert torch.equal(bn.running_mean, after_mean) and int(bn.num_batches_tracked) == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_checkpointed_batch_norm_expert_recomputes_from_the_statistics_its_forward_found(
+        mode: str, several_lanes: int) -> None:
+    torch.manual_seed(3)
+    ours = [nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh()) for _ in range(2)]
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(5, D, requires_grad=True) for _ in ours]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs = parallel_apply(ours, xs, checkpoint=True, mode=mode)
+    want = _loop(theirs, lxs)
+    sum(o.square().sum() for o in outs).backward()
+    sum(o.square().sum() for o in want).backward()
+    torch.testing.assert_close(_grads(ours, xs), _grads(theirs, lxs))
+    for a, b in zip(ours, theirs):  # advanced once, as by the loop
+        torch.testing.assert_close(a[1].running_mean, b[1].running_mean)
+        assert int(a[1].num_batches_tracked) == int(b[1].num_batches_tracked) == 1
