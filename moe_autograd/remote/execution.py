@@ -16,11 +16,11 @@ Invariants:
 * Replies carry CPU tensors only (what TensorPipe accepts without device maps).
 * Output gradients are checked (count, shape, dtype) before any backward runs.
 """
-from contextlib import nullcontext
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import saved_tensors_hooks
 
 from ..checkpoint import enable_checkpointing, enable_recomputing
 from ..rng import CallRng
@@ -93,9 +93,13 @@ def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], s
                 ) -> Tuple[List[Any], List[Tensor], bool, List[bool]]:
     """Runs the module; returns ``(leaves, outputs, single, differentiable)``.
 
-    With ``keep_graph`` (stateful) the outputs carry the graph; otherwise the
-    forward runs without grad (a checkpointed forward when ``grad``) and
-    ``differentiable`` says which outputs a recomputation can differentiate.
+    With ``keep_graph`` (stateful) the outputs carry the graph. Otherwise,
+    with ``grad``, the forward is a checkpointed one: grad on, as the loop's
+    (so an output the expert detached, or computed from nothing that needs
+    grad, is not differentiable, and an in-place op on a leaf that requires
+    grad raises as there), saving no tensor (the graph is dropped with the
+    outputs); without ``grad``, no grad at all. ``differentiable`` says which
+    outputs the caller may differentiate (a stateless backward recomputes).
     ``rng``: the stream to run under (default ``CallRng(seed)``); its
     ``drew`` says afterwards whether the expert drew random numbers.
     """
@@ -105,11 +109,25 @@ def run_forward(module: nn.Module, args: Sequence[Any], flags: Sequence[bool], s
         with torch.enable_grad(), rng.activate():
             outputs, single = _outputs(module(*leaves))
         return leaves, outputs, single, [o.requires_grad for o in outputs]
-    with torch.no_grad(), (enable_checkpointing() if grad else nullcontext()), rng.activate():
+    if grad:
+        with torch.enable_grad(), saved_tensors_hooks(_drop, _never), enable_checkpointing(), \
+                rng.activate():
+            outputs, single = _outputs(module(*leaves))
+        return leaves, outputs, single, [o.requires_grad for o in outputs]
+    with torch.no_grad(), rng.activate():
         outputs, single = _outputs(module(*leaves))
-    needs = grad and (any(flags) or trainable(module))
-    return leaves, outputs, single, [needs and (o.is_floating_point() or o.is_complex())
-                                     for o in outputs]
+    return leaves, outputs, single, [False] * len(outputs)
+
+
+def _drop(tensor: Tensor) -> None:
+    """A stateless forward's pack hook: nothing is kept for a backward that
+    recomputes."""
+    return None
+
+
+def _never(packed: None) -> Tensor:
+    raise RuntimeError("a stateless forward's graph cannot be differentiated: its backward "
+                       "recomputes")
 
 
 def recompute(module: nn.Module, args: Sequence[Any], flags: Sequence[bool],

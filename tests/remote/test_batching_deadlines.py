@@ -537,10 +537,7 @@ class HalfDetached(nn.Module):
 
 
 @pytest.mark.parametrize("backward", [
-    pytest.param("stateless", marks=pytest.mark.xfail(strict=True, reason=(
-        "a stateless server runs the forward without a graph (remote/execution.py "
-        "run_forward), so it marks every floating output differentiable: an output the "
-        "expert detached requires grad on the client, unlike the loop (issue 34, reported"))),
+    "stateless",  # was a strict xfail: the stateless forward ran without grad (issue 34)
     "stateful"])
 def test_a_collected_calls_output_the_expert_detached_needs_no_gradient(backward: str) -> None:
     from moe_autograd import parallel_apply
