@@ -1,7 +1,8 @@
 """DistributedDataParallel over models whose experts run through the runtime
 (issue 8): gloo, 2 processes on loopback.
 
-Each variant starts two fresh processes (this file run as a script). Every
+One world of two fresh processes (this file run as a script) runs every
+variant in turn, one result file per variant and rank. For each variant, every
 process builds the same model twice, once with its experts called through
 ``parallel_apply`` / ``MixtureOfExperts`` and once with a plain expert loop,
 wraps both in DDP, runs two training steps on its own data, and saves every
@@ -113,15 +114,26 @@ def make_inputs(kind: str, rank: int, active: Sequence[int], step: int) -> Tenso
     return x
 
 
-def child(variant: str, rank: int, world: int, out: str) -> None:
+def child(variants: str, rank: int, world: int, out_dir: str) -> None:
+    """Every variant of ``variants`` (comma-separated) in one process group,
+    each variant's results in ``out_dir/<variant>-<rank>.pt``."""
     import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        for variant in variants.split(","):
+            _variant(variant, rank, str(Path(out_dir) / f"{variant}-{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _variant(variant: str, rank: int, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     kind, find_unused, active0, active1 = VARIANTS[variant]
     active = active0 if rank == 0 else active1
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
     results: Dict[str, List[Dict[str, Optional[Tensor]]]] = {}
     errors: Dict[str, str] = {}
     try:
@@ -144,7 +156,6 @@ def child(variant: str, rank: int, world: int, out: str) -> None:
             results[impl] = steps
     finally:
         torch.save({"results": results, "errors": errors}, out)
-        dist.destroy_process_group()
 
 
 # -- the test (the pytest process) ----------------------------------------------------------
@@ -155,16 +166,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_world(variant: str, tmp_path: Path, world: int = 2, timeout: float = 150.0
-              ) -> List[dict]:
+def run_world(variants: Sequence[str], tmp_path: Path, world: int = 2, timeout: float = 200.0
+              ) -> Dict[str, List[dict]]:
+    """Runs every variant in one world; ``{variant: [rank 0's, rank 1's results]}``."""
     port = _free_port()
     env = dict(os.environ)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                OMP_NUM_THREADS="1", MOE_AUTOGRAD_MODE="parallel",
                PYTHONPATH=os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")]))
-    outs = [tmp_path / f"{variant}-{rank}.pt" for rank in range(world)]
-    procs = [subprocess.Popen([sys.executable, __file__, variant, str(rank), str(world),
-                               str(outs[rank])], env=env, cwd=str(HERE.parent),
+    procs = [subprocess.Popen([sys.executable, __file__, ",".join(variants), str(rank),
+                               str(world), str(tmp_path)], env=env, cwd=str(HERE.parent),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for rank in range(world)]
     logs: List[str] = []
@@ -178,8 +189,15 @@ def run_world(variant: str, tmp_path: Path, world: int = 2, timeout: float = 150
                 p.kill()
             p.wait()
     for rank, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0 and outs[rank].exists(), f"rank {rank} exited {p.returncode}:\n{log}"
-    return [torch.load(o) for o in outs]
+        assert p.returncode == 0, f"rank {rank} exited {p.returncode}:\n{log}"
+    return {v: [torch.load(tmp_path / f"{v}-{rank}.pt") for rank in range(world)]
+            for v in variants}
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, List[dict]]:
+    """Every variant's results, from one world (two process starts, not ten)."""
+    return run_world(list(VARIANTS), tmp_path_factory.mktemp("ddp"))
 
 
 def _close(a: Optional[Tensor], b: Optional[Tensor], what: str) -> None:
@@ -190,9 +208,10 @@ def _close(a: Optional[Tensor], b: Optional[Tensor], what: str) -> None:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_ddp_gradients_match_plain_expert_loop(variant: str, tmp_path: Path) -> None:
-    worlds = run_world(variant, tmp_path)
-    for rank, saved in enumerate(worlds):
+def test_ddp_gradients_match_plain_expert_loop(variant: str,
+                                               worlds: Dict[str, List[dict]]) -> None:
+    ranks = worlds[variant]
+    for rank, saved in enumerate(ranks):
         errors = saved["errors"]
         assert "plain" not in errors, f"rank {rank}: the reference failed:\n{errors['plain']}"
         assert not errors, f"rank {rank}: DDP over the runtime raised:\n{errors['runtime']}"
@@ -204,7 +223,7 @@ def test_ddp_gradients_match_plain_expert_loop(variant: str, tmp_path: Path) -> 
                 _close(got[name], want[name], f"rank {rank} step {step} {name}.grad")
     # DDP averaged: both processes hold the same gradients
     for step in range(STEPS):
-        a, b = worlds[0]["results"]["runtime"][step], worlds[1]["results"]["runtime"][step]
+        a, b = ranks[0]["results"]["runtime"][step], ranks[1]["results"]["runtime"][step]
         for name in a:
             _close(a[name], b[name], f"step {step} {name}.grad, rank 0 vs rank 1")
 
