@@ -24,25 +24,47 @@ ROOT = HERE.parent.parent
 _ABORTS = ("terminate called", "FATAL: exception not rethrown", "Aborted", "core dumped")
 
 
+class _Trainer:
+    """A trainer process running plans (see :func:`run_plans`), started now,
+    its report read by :meth:`finish`."""
+
+    def __init__(self, plans: List[faults.Plan], seed: int, workdir: Path,
+                 engine: str) -> None:
+        spec = workdir / "plans.json"
+        spec.write_text(json.dumps({"seed": seed, "plans": [p.to_json() for p in plans]}))
+        self.report = workdir / "report.json"
+        self.started = time.monotonic()
+        entry = (f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]; import faults; "
+                 "sys.exit(faults.trainer_main(sys.argv[1:]))")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
+        env.pop("MOE_AUTOGRAD_WORKERS", None)
+        env.setdefault("PYTHONFAULTHANDLER", "1")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", entry, str(spec), str(self.report), engine],
+            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def finish(self, timeout: float) -> Tuple[Dict[str, Any], int, str]:
+        """Its report, exit status and output (killed after ``timeout`` s from
+        its start: then the report says so)."""
+        left = max(1.0, timeout - (time.monotonic() - self.started))
+        try:
+            out, err = self.process.communicate(timeout=left)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            out, err = self.process.communicate()
+        data = json.loads(self.report.read_text()) if self.report.exists() \
+            else {"problems": ["no report"]}
+        data["wall_s"] = time.monotonic() - self.started
+        return data, self.process.returncode, out + err
+
+
 def run_plans(plans: List[faults.Plan], seed: int, workdir: Path,
               timeout: float, engine: str = "rpc") -> Tuple[Dict[str, Any], int, str]:
     """Runs the trainer on ``plans`` over ``engine`` (``rpc``: a torch RPC
     world; ``ray``: a local Ray instance of its own); returns its report,
     exit status and output."""
-    spec = workdir / "plans.json"
-    spec.write_text(json.dumps({"seed": seed, "plans": [p.to_json() for p in plans]}))
-    report = workdir / "report.json"
-    entry = (f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]; import faults; "
-             "sys.exit(faults.trainer_main(sys.argv[1:]))")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
-    env.pop("MOE_AUTOGRAD_WORKERS", None)
-    env.setdefault("PYTHONFAULTHANDLER", "1")
-    done = subprocess.run([sys.executable, "-c", entry, str(spec), str(report), engine],
-                          cwd=str(ROOT),
-                          env=env, capture_output=True, text=True, timeout=timeout)
-    data = json.loads(report.read_text()) if report.exists() else {"problems": ["no report"]}
-    return data, done.returncode, done.stdout + done.stderr
+    return _Trainer(plans, seed, workdir, engine).finish(timeout)
 
 
 def _summary(report: Dict[str, Any], status: int, output: str) -> str:
@@ -51,19 +73,49 @@ def _summary(report: Dict[str, Any], status: int, output: str) -> str:
             f"-- trainer output (tail) --\n{output[-4000:]}")
 
 
+#: The fixed plans' trainers, by engine: both start with the first test that
+#: needs either (their worlds mostly wait: timeouts, sleeps, start-ups), each
+#: test reads its own engine's report.
+_FIXED: Dict[str, _Trainer] = {}
+
+
+def _selected_engines(request: pytest.FixtureRequest) -> List[str]:
+    """The engines whose fixed-plan tests this session runs."""
+    found = {item.callspec.params["fixed"] for item in request.session.items
+             if getattr(item, "module", None) is request.module
+             and "fixed" in getattr(getattr(item, "callspec", None), "params", {})}
+    return [e for e in ("rpc", "ray") if e in found]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_trainer_left() -> Iterator[None]:
+    """A trainer no test read (deselected, or the run stopped): killed."""
+    yield
+    for trainer in _FIXED.values():
+        trainer.process.kill()
+        trainer.process.communicate()
+    _FIXED.clear()
+
+
 @pytest.fixture(scope="module", params=["rpc", "ray"])
 def fixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[Tuple[Dict[str, Any], int, str]]:
+          ) -> Tuple[Dict[str, Any], int, str]:
     """The fixed plans' report, on each engine (issue 20: one conformance
     suite): the same plans, checks and exit under torch RPC and under Ray."""
     engine = request.param
     if engine == "ray":
         pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
-    started = time.monotonic()
-    result = run_plans(faults.FIXED_PLANS, 1800, tmp_path_factory.mktemp(f"fixed-plans-{engine}"),
-                       240, engine)
-    result[0]["wall_s"] = time.monotonic() - started
-    yield result
+    if engine not in _FIXED:
+        ray_ok = True
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            ray_ok = False
+        for name in _selected_engines(request) or [engine]:
+            if name not in _FIXED and (name != "ray" or ray_ok):
+                _FIXED[name] = _Trainer(faults.FIXED_PLANS, 1800,
+                                        tmp_path_factory.mktemp(f"fixed-plans-{name}"), name)
+    return _FIXED.pop(engine).finish(240)
 
 
 @pytest.mark.timeout(300)
