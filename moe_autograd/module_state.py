@@ -48,6 +48,7 @@ from torch import Tensor, nn
 __all__ = ["ModuleState", "submodules", "may_change"]
 
 _REPLAY_LOCK = threading.Lock()
+_MISSING = object()
 
 
 def _submodules(module: nn.Module, out: List[nn.Module], seen: Set[int]) -> List[nn.Module]:
@@ -149,9 +150,15 @@ class ModuleState:
             try:
                 for m, before in zip(self._modules, self._dicts):
                     # Every attribute as the forward found it: those it set
-                    # or deleted back, those it created gone (issue 34).
-                    m.__dict__.clear()
-                    m.__dict__.update(before)
+                    # or deleted back, those it created gone (issue 34). Key
+                    # by key, never cleared: another thread may read the
+                    # module meanwhile (its _buffers, _parameters...).
+                    d = m.__dict__
+                    for k in [k for k in d if k not in before]:
+                        del d[k]
+                    for k, v in before.items():
+                        if d.get(k, _MISSING) is not v:
+                            d[k] = v
                 for m, values in zip(self._modules, self._buffers or ()):
                     for name, value in values.items():
                         m._buffers[name] = value.clone()
