@@ -94,13 +94,18 @@ _pools: Dict[int, List[torch.cuda.Stream]] = {}
 _lock = threading.Lock()
 
 
-def cuda_devices(tensors: Iterable[object]) -> Tuple[torch.device, ...]:
-    """The CUDA devices of ``tensors`` (other objects are skipped), in order
-    of first appearance; empty, at no cost, where the calls run on the
-    caller's stream (:data:`CALL_STREAMS` 0) or CUDA is not initialised."""
+def cuda_devices(tensors: Iterable[object],
+                 device: Optional[torch.device] = None) -> Tuple[torch.device, ...]:
+    """The CUDA devices a call works on: ``device`` (where the call's
+    module lives), if a CUDA one, then those of ``tensors`` (other objects
+    are skipped), in order of first appearance; empty, at no cost, where the
+    calls run on the caller's stream (:data:`CALL_STREAMS` 0) or CUDA is not
+    initialised."""
     if not CALL_STREAMS or not torch.cuda.is_initialized():
         return ()
     found: List[torch.device] = []
+    if device is not None and device.type == "cuda":
+        found.append(device)
     for t in tensors:
         if isinstance(t, Tensor) and t.is_cuda and t.device not in found:
             found.append(t.device)

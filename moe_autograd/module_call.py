@@ -236,14 +236,6 @@ def _run_expert(module: Expert, args: Sequence[Any], kwargs: Mapping[str, Any],
         return module(*args, **kwargs)
 
 
-def _cuda_devices_of(device: torch.device, leaves: Sequence[Any]) -> Tuple[torch.device, ...]:
-    """The CUDA devices a call works on (see :mod:`moe_autograd.call_streams`)."""
-    devices = cuda_devices(leaves)
-    if device.type == "cuda" and device not in devices:
-        devices = (device, *devices)
-    return devices
-
-
 def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any],
                 rng: Optional[CallRng], name: str, index: int = 0,
                 ready: Optional[Ready] = None) -> Any:
@@ -253,7 +245,7 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
     its devices missing there are recorded into it first)."""
     leaves = tree_flatten((args, kwargs))[0]
     device = _device_of(module, leaves)
-    devices = _cuda_devices_of(device, leaves)
+    devices = cuda_devices(leaves, device)
     if ready is not None and any(d not in ready for d in devices):
         ready.update(record_ready(d for d in devices if d not in ready))
     with call_streams(devices, index, leaves, ready) as pairs, \
@@ -326,7 +318,7 @@ class ModuleCall(IsolatedCall):
         #: The CUDA devices it works on: it runs on its own streams there,
         #: after the events of its batch's forward (set by the batch) and of
         #: its backward (see :mod:`moe_autograd.call_streams`).
-        self.cuda_devices = _cuda_devices_of(self.device, leaves)
+        self.cuda_devices = cuda_devices(leaves, self.device)
         self.ready: Optional[Ready] = None
         self._backward_ready: Optional[Ready] = None
         self.rng = rng if rng is not None else CallRng.fork()

@@ -94,11 +94,13 @@ def wait_stream(source: AbstractStream, target: AbstractStream) -> None:
 
 
 def record_stream(tensor: torch.Tensor, stream: AbstractStream) -> None:
-    """Tells the caching allocator that ``stream`` uses ``tensor``."""
+    """Tells the caching allocator that ``stream`` uses ``tensor``'s whole
+    storage block: the allocator looks the block up by the storage's pointer,
+    so a view records all of it. Called directly, not through a tensor made
+    with ``set_`` on the storage as torchgpipe did: ``set_`` is a mutating op,
+    which PyTorch's CUDA sanitizer counts as a write on the current stream,
+    racing with every later read on another stream."""
     if not is_cuda(stream):
         return
-    # Record the storage, not the view: a view's record_stream does not keep the
-    # rest of the storage alive on the stream.
-    tensor = tensor.new_empty([0]).set_(tensor.untyped_storage())
     tensor.record_stream(_as_cuda(stream))
 

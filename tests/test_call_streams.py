@@ -45,6 +45,11 @@ def test_off_by_default_and_without_cuda_nothing_runs(monkeypatch: pytest.Monkey
     x = torch.randn(3)
     monkeypatch.setattr(streams_module, "CALL_STREAMS", 0)
     assert cuda_devices([x, 1, "a"]) == ()
+    with monkeypatch.context() as m:  # off: not even a module on CUDA gets a stream
+        m.setattr(torch.cuda, "is_initialized", lambda: True)
+        assert cuda_devices([x], torch.device("cuda", 0)) == ()
+        m.setattr(streams_module, "CALL_STREAMS", STREAMS)
+        assert cuda_devices([x], torch.device("cuda", 0)) == (torch.device("cuda", 0),)
     monkeypatch.setattr(streams_module, "CALL_STREAMS", STREAMS)
     if not torch.cuda.is_initialized():
         assert cuda_devices([x, 1, "a"]) == ()
