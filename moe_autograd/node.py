@@ -272,6 +272,13 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _alias(g: Tensor) -> Tensor:
+    """``g`` as a new tensor object over the same data (a Function's output
+    must not be one of its inputs); a sparse gradient (``nn.Embedding(...,
+    sparse=True)``) has no views: a copy."""
+    return g.view_as(g) if g.layout == torch.strided else g.clone()
+
+
 class _NoDoubleBackward(torch.autograd.Function):
     """Passes the node's input gradients through, connected to the node's
     inputs AND to the gradients it received, with a backward that raises:
@@ -292,7 +299,7 @@ class _NoDoubleBackward(torch.autograd.Function):
     def forward(ctx: Any, name: str, n: int,  # type: ignore[override]
                 *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
         ctx.name = name
-        return tuple(None if g is None else g.view_as(g) for g in tensors[:n])
+        return tuple(None if g is None else _alias(g) for g in tensors[:n])
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:  # type: ignore[override]

@@ -408,6 +408,37 @@ def test_what_differentiates_the_gradients_raises_naming_the_batch(mode, checkpo
     assert all(torch.equal(a, b) for a, b in zip(vjp(ours, x, v), vjp(loop, x, v)))
 
 
+
+class _SparseEmbeddingExpert(nn.Module):
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(10, 4, sparse=True)
+
+    def forward(self, x):
+        return self.emb(torch.tensor([1, 3, 3])) * x
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_sparse_gradients_under_create_graph_equal_the_loop_then_refuse_a_second(mode):
+    """An expert whose gradient is sparse (``nn.Embedding(sparse=True)``)
+    under ``create_graph=True``: the gradients equal the loop's, and
+    differentiating them raises the node's refusal (sparse tensors have no
+    views; it was a NotImplementedError from ``aten::view`` on SparseCPU;
+    ``make fuzz`` seed 1795791825 cases 2663 and 3526, via hvp)."""
+    experts = [_SparseEmbeddingExpert(0), _SparseEmbeddingExpert(1)]
+    x = randn(3, 4, seed=2)
+    a, b = parallel_apply(experts, [x, x * 2], mode=mode)
+    params = [experts[0].emb.weight, experts[1].emb.weight]
+    ours = torch.autograd.grad((a * b).sum(), [x, *params], create_graph=True)
+    want = torch.autograd.grad((experts[0](x) * experts[1](x * 2)).sum(), [x, *params])
+    assert ours[1].is_sparse and ours[2].is_sparse
+    for got, expected in zip(ours, want):
+        assert torch.equal(got.to_dense(), expected.to_dense())
+    with pytest.raises(RuntimeError, match="parallel_apply: trying to differentiate twice"):
+        torch.autograd.grad(ours[0].sum(), x)
+
+
 # -- shared stateful submodules ---------------------------------------------------------------
 
 class Counting(nn.Module):

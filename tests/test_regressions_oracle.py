@@ -1021,6 +1021,43 @@ def test_backward_inputs_leaves_retained_grad_of_a_pruned_dirty_call_empty() -> 
     assert [g is None for g in got] == [g is None for g in want]
 
 
+
+class _KeepsOnly(nn.Module):
+    """Returns its input as is and keeps ``fc(x)`` in an attribute: its
+    parameters reach only the kept tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.keep = self.fc(x)
+        return x
+
+
+@pytest.mark.xfail(strict=True, reason="D9c: a parameter that reaches only a call's outputs or "
+                   "kept tensors the pass does not reach is an input of the node: the engine "
+                   "runs its accumulator with None, and its post-accumulate hooks fire")
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_post_accumulate_hook_of_a_parameter_only_an_unused_kept_tensor_reaches(
+        mode: str) -> None:
+    """oracle: pytest tests/oracle --fuzz-seed=1795791825 --fuzz-case=1462 (and 3177)"""
+    def fired(runner: Callable[[nn.Module, Tensor], Tensor]) -> List[Any]:
+        expert, seen = _KeepsOnly(), []
+        expert.fc.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
+        x = torch.randn(3, 4, requires_grad=True)
+        runner(expert, x).sum().backward()
+        return seen
+    other = nn.Linear(4, 4)  # the loss reaches the node through this call
+
+    def ours(e: nn.Module, x: Tensor) -> Tensor:
+        a, b = parallel_apply([e, other], [x, x * 2], mode=mode)
+        return a + b
+    got = fired(ours)
+    assert fired(lambda e, x: e(x) + other(x * 2)) == [] and got == []
+
+
 class CheckpointedDropout(nn.Module):
     """torch.utils.checkpoint around a block that draws (dropout), inside the
     expert; ``inner`` False runs the block as it is (the same function)."""

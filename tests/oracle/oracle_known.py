@@ -184,6 +184,14 @@ KNOWN_DIVERGENCES: List[Known] = [
           ("hooks", "retained", "fail.outcome", "fn_log.backward", "backward", "kept_grads"),
           ("value", "unexpected_error"),
           witnesses=((0, 210), (0, 750), (0, 795), (1795676440, 1137))),
+    Known("D9c-post-accumulate-hook-of-an-unreached-parameter",
+          "a parameter that reaches only a call's outputs or kept tensors the pass does not "
+          "reach (an identity output, the kept tensor outside the loss) is an input of the "
+          "node: the engine runs its accumulator with None and its post-accumulate hooks "
+          "fire, where the loop never reaches it",
+          lambda c: "hook:post_acc" in constructs(c) and "stage:keep" in constructs(c)
+          and not c.keep_in_loss, ("hooks",), ("value",),
+          witnesses=((1795791825, 1462), (1795791825, 3177))),
     Known("D10-inline-backward-error-unnamed",
           "mode=inline (or auto where the policy runs the batch inline): an expert's error "
           "in backward does not name the call",
@@ -225,7 +233,8 @@ KNOWN_DIVERGENCES: List[Known] = [
           witnesses=((1795680476, 2555),)),
     Known("D14-checkpoint-frame-around-stateful-calls",
           "a non-reentrant checkpoint frame around calls whose forward updates module state "
-          "(BatchNorm, spectral_norm, a counter, self.aux): the frame's recomputation stops "
+          "(BatchNorm, spectral_norm, a counter, self.aux, self.keep): the frame's "
+          "recomputation stops "
           "early in the loop (at the last tensor it saved), but runs the runtime's batch "
           "whole (checkpoint=False) or not at all (checkpoint=True): buffers, attributes "
           "and gradients differ",
@@ -233,9 +242,10 @@ KNOWN_DIVERGENCES: List[Known] = [
               st in s.stages or s.output == "aux" for s in c.calls
               for st in ("spectral_norm", "bn", "counter", "introspect", "keep", "keep_plain",
                          "threads", "mark", "step")) or c.shared_stage is not None),
-          ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs"),
+          ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs",
+           "kept_grads"),
           witnesses=((1, 313), (1, 2457), (7, 541), (1795467467, 4032), (1795467467, 17148),
-                     (1795671127, 799), (1795671127, 7014))),
+                     (1795671127, 799), (1795671127, 7014), (1795791825, 2653))),
 ]
 
 

@@ -217,18 +217,19 @@ def test_secret_command_writes_a_private_file_and_never_overwrites(
     env = dict(os.environ,
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-m", "moe_autograd", "secret", "--out", str(path)],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
+    # (cwd: the root, where `make mutate`'s trampolines find their setup.cfg)
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "never overwritten" in done.stderr, done.stderr
     assert path.read_text() == written and JobSecret.from_file(path) == secret
 
 
-def test_serve_without_a_secret_says_how_to_make_one(tmp_path: Path) -> None:
+def test_serve_without_a_secret_says_how_to_make_one() -> None:
     env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-m", "moe_autograd", "serve", "--experts",
                            "remote_experts:cli_experts", "--rank", "1", "--world-size", "2"],
-                          env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+                          env=env, cwd=str(ROOT), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
     assert "no job secret" in done.stderr, done.stderr
     assert "python -m moe_autograd secret" in done.stderr, done.stderr
