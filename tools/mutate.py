@@ -66,7 +66,11 @@ SHARDS: Dict[str, Tuple[List[str], List[str]]] = {
     "remote-wire": (
         [_REMOTE + "frame.py", _REMOTE + "wire.py", _REMOTE + "auth.py"],
         ["tests/remote/test_wire.py", "tests/remote/test_auth.py",
-         "tests/remote/test_remote_units.py", "tests/remote/test_remote_limits.py"]),
+         "tests/remote/test_remote_units.py", "tests/remote/test_remote_limits.py",
+         # in-process servers: the channel's sealing and opening, packed (compressed)
+         # tensors, the gate's per-job refusals
+         "tests/remote/test_compression.py", "tests/remote/test_ray_engine.py",
+         "tests/remote/test_batching_deadlines.py"]),
     "remote-batching": (
         [_REMOTE + "batching.py", _REMOTE + "batch_server.py"],
         ["tests/remote/test_batching_deadlines.py", "tests/remote/test_remote_batching.py",
@@ -140,11 +144,13 @@ def _env(here: Path) -> Dict[str, str]:
     return env
 
 
-def run(shard: str, jobs: int) -> int:
+def run(shard: str, jobs: int, only: Sequence[str] = ()) -> int:
+    """Runs the shard's mutants (``only``: those whose names match these
+    patterns, e.g. ``moe_autograd.remote.wire.*``)."""
     here = _prepare(shard)
     print(f"mutate: shard {shard!r} in {here} ({jobs} at a time)", flush=True)
-    code = subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs)],
-                           cwd=here, env=_env(here))
+    code = subprocess.call([sys.executable, "-m", "mutmut", "run", "--max-children", str(jobs),
+                            *only], cwd=here, env=_env(here))
     report([shard])
     return code
 
@@ -227,6 +233,9 @@ def main(argv: Sequence[str]) -> int:
     p_run = sub.add_parser("run", help="run one shard's mutants (or 'all', one after another)")
     p_run.add_argument("shard", choices=[*SHARDS, "all"])
     p_run.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
+    p_run.add_argument("--only", nargs="+", default=(), metavar="PATTERN",
+                       help="only the mutants whose names match (fnmatch), e.g. "
+                       "'moe_autograd.remote.wire.*'")
     p_recheck = sub.add_parser("recheck", help="run a shard's survivors again (after new tests)")
     p_recheck.add_argument("shard", choices=list(SHARDS))
     p_recheck.add_argument("--jobs", type=int, default=2, help="mutants at a time (default 2)")
@@ -247,7 +256,7 @@ def main(argv: Sequence[str]) -> int:
     if args.command == "recheck":
         return recheck(args.shard, args.jobs)
     shards = list(SHARDS) if args.shard == "all" else [args.shard]
-    return max(run(shard, args.jobs) for shard in shards)
+    return max(run(shard, args.jobs, args.only) for shard in shards)
 
 
 if __name__ == "__main__":

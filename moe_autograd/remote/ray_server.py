@@ -14,8 +14,10 @@ message or an argument Ray would store. ``secret_file`` (or the driver's
 ``MOE_AUTOGRAD_SECRET_FILE``) names it; the path travels, the key does not.
 A driver whose secret is not in a file (:func:`~.auth.set_job_secret`,
 ``MOE_AUTOGRAD_SECRET``) writes it to a private temporary file (mode 600 in
-a directory of mode 700) that its actors on this node read; an actor placed
-on another node needs the file there (as Ray's own token file does).
+a directory of mode 700) that its actors on this node read, and removes it
+once every actor started from it has read it (``wait_ready``) or at exit;
+an actor placed on another node needs the file there (as Ray's own token
+file does).
 
 Lifecycle of a server (driver's view)::
 
@@ -44,6 +46,7 @@ import inspect
 import os
 import shutil
 import tempfile
+import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -156,40 +159,73 @@ def _actor_class() -> Any:
 
 
 _private_dirs: List[str] = []
+#: private copy -> actors started from it that may not have read it yet
+_private_readers: Dict[str, int] = {}
+_private_lock = threading.Lock()
 
 
 def _remove_private_dirs() -> None:
-    for path in _private_dirs:
-        shutil.rmtree(path, ignore_errors=True)
-    _private_dirs.clear()
+    with _private_lock:
+        for path in _private_dirs:
+            shutil.rmtree(path, ignore_errors=True)
+        _private_dirs.clear()
+        _private_readers.clear()
 
 
 atexit.register(_remove_private_dirs)
 
 
-def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret]:
-    """The file the actor reads the secret from, and the secret (see the
-    module docstring): ``secret_file``, else this process's job secret
-    (:func:`~.auth.job_secret`: the default set here, else the
-    environment's), through the file ``MOE_AUTOGRAD_SECRET_FILE`` names when
-    that file holds it, else through a private copy."""
+def _read_private_copy(path: Optional[str]) -> None:
+    """An actor started from the private copy ``path`` has read it (it is
+    constructed) or never will (it failed): the copy, and the directory with
+    the last copy, are removed once no actor is left to read them. (The
+    ``atexit`` hook covers actors nobody waited for; a process killed before
+    either leaves the copy, mode 600, behind.)"""
+    if path is None:
+        return
+    with _private_lock:
+        left = _private_readers.get(path, 0) - 1
+        if left > 0:
+            _private_readers[path] = left
+            return
+        _private_readers.pop(path, None)
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        if not _private_readers:
+            for folder in _private_dirs:
+                shutil.rmtree(folder, ignore_errors=True)
+            _private_dirs.clear()
+
+
+def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret, Optional[str]]:
+    """The file the actor reads the secret from, the secret (see the module
+    docstring), and that file again if it is a private copy (then
+    :func:`_read_private_copy` once the actor has read it): ``secret_file``,
+    else this process's job secret (:func:`~.auth.job_secret`: the default
+    set here, else the environment's), through the file
+    ``MOE_AUTOGRAD_SECRET_FILE`` names when that file holds it, else through
+    a private copy."""
     if secret_file:
         path = os.path.abspath(secret_file)
-        return path, JobSecret.from_file(path)
+        return path, JobSecret.from_file(path), None
     secret = job_secret()
     named = os.environ.get(ENV_SECRET_FILE)
     if named:
         try:
             if JobSecret.from_file(named) == secret:
-                return os.path.abspath(named), secret
+                return os.path.abspath(named), secret, None
         except (OSError, ValueError, MissingSecretError):
             pass
-    if not _private_dirs:
-        _private_dirs.append(tempfile.mkdtemp(prefix="moe_autograd-secret-"))  # mode 700
-    path = os.path.join(_private_dirs[0], f"{secret.key_id.hex()}.secret")
-    if not os.path.exists(path):
-        secret.save(path)
-    return path, secret
+    with _private_lock:
+        if not _private_dirs:
+            _private_dirs.append(tempfile.mkdtemp(prefix="moe_autograd-secret-"))  # mode 700
+        path = os.path.join(_private_dirs[0], f"{secret.key_id.hex()}.secret")
+        if not os.path.exists(path):
+            secret.save(path)
+        _private_readers[path] = _private_readers.get(path, 0) + 1
+    return path, secret, path
 
 
 class RayExpertServer:
@@ -253,7 +289,7 @@ class RayExpertServer:
             raise RuntimeError("Ray is not initialised in this process: call "
                                "ray.init(address=...) before starting a RayExpertServer")
         require_token_auth(allow_unauthenticated, f"RayExpertServer {name!r}")
-        secret_path, self.secret = _secret_source(secret_file)
+        secret_path, self.secret, self._private_copy = _secret_source(secret_file)
         self.name, self.namespace = name, namespace
         self._transport = RayTransport(namespace, timeout=self._ready_timeout,
                                        allow_unauthenticated=allow_unauthenticated)
@@ -278,6 +314,7 @@ class RayExpertServer:
                 name, namespace, experts, dict(server_options), torch_threads, secret_path,
                 bool(allow_unauthenticated))
         except ValueError as error:
+            _read_private_copy(self._private_copy)
             raise ValueError(f"cannot start Ray expert server {name!r} in namespace "
                              f"{namespace!r}: {short(error)}") from error
         if wait:
@@ -302,7 +339,11 @@ class RayExpertServer:
             return self
         ray = _ray()
         try:
-            ray.get(self.handle.__ray_ready__.remote(), timeout=self._ready_timeout)
+            try:  # constructed: the actor has read its secret
+                ray.get(self.handle.__ray_ready__.remote(), timeout=self._ready_timeout)
+            finally:  # or it is killed below and never will
+                _read_private_copy(self._private_copy)
+                self._private_copy = None
             self._info = self._request({"op": "info"}, self._ready_timeout)
         except Exception as error:  # noqa: BLE001 - the factory failed, or no placement
             try:
@@ -328,6 +369,7 @@ class RayExpertServer:
                               f"{namespace!r}") from error
         self = cls.__new__(cls)
         self.name, self.namespace, self.handle = name, namespace, handle
+        self._private_copy = None
         self.secret = secret if secret is not None else job_secret()
         self._ready_timeout = timeout
         self._transport = RayTransport(namespace, timeout=timeout,

@@ -182,3 +182,35 @@ def test_auto_transport_without_any_engine(run_python) -> None:
             print(error)
     """)
     assert "no remote engine is initialised" in out and "ray.init" in out and "init_rpc" in out
+
+
+def test_a_private_copy_of_the_secret_is_removed_once_its_actors_have_read_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver whose secret is not in a file writes a private copy for its
+    actors; it goes (with its directory) once the last actor started from it
+    has read it or failed, not at exit only: a process killed after its
+    servers started left one per run behind."""
+    import os
+    import stat
+
+    from moe_autograd.remote import ray_server
+    from moe_autograd.remote.auth import ENV_SECRET_FILE, JobSecret, set_job_secret
+
+    monkeypatch.delenv(ENV_SECRET_FILE, raising=False)
+    previous = set_job_secret(JobSecret.generate())
+    try:
+        first, secret, private = ray_server._secret_source(None)
+        second, _, again = ray_server._secret_source(None)  # another actor, the same copy
+        assert first == second == private == again
+        folder = os.path.dirname(first)
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+        assert JobSecret.from_file(first) == secret
+        ray_server._read_private_copy(first)
+        assert os.path.exists(first)  # the second actor has not read it yet
+        ray_server._read_private_copy(first)
+        assert not os.path.exists(folder)
+        ray_server._read_private_copy(first)  # once more: nothing left to do
+        ray_server._read_private_copy(None)
+    finally:
+        set_job_secret(previous)
+        ray_server._remove_private_dirs()
