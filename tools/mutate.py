@@ -127,8 +127,8 @@ def _prepare(shard: str) -> Path:
         "only_mutate": "\n" + "\n".join(files),
         "pytest_add_cli_args_test_selection": "\n" + "\n".join(tests),
         "process_isolation": "forkserver",
-        "timeout_multiplier": "5.0",
-        "timeout_constant": "10.0",
+        "timeout_multiplier": "3.0",
+        "timeout_constant": "4.0",
         "debug": os.environ.get("MUTATE_DEBUG", "false"),
     }
     with open(here / "setup.cfg", "w") as f:

@@ -129,6 +129,9 @@ def _span(t: Tensor) -> int:
 
 
 # -- encoding ---------------------------------------------------------------------------
+_META = "a meta tensor cannot travel: it has no data to send"
+
+
 class _Encoder:
     __slots__ = ("buffers", "index", "keep")
 
@@ -139,8 +142,12 @@ class _Encoder:
 
     def default(self, obj: Any) -> Any:
         if isinstance(obj, Tensor):
+            if obj.is_meta:
+                raise WireTypeError(_META)
             return msgpack.ExtType(_TENSOR, self.tensor(obj))
         if type(obj) is cz.Compressed:
+            if isinstance(obj.tensor, Tensor) and obj.tensor.is_meta:
+                raise WireTypeError(_META)
             packed = self.packed(obj)
             return msgpack.ExtType(_TENSOR, self.tensor(obj.tensor)) if packed is None \
                 else msgpack.ExtType(_PACKED, packed)
@@ -278,6 +285,8 @@ def check_value(value: Any, where: str) -> None:
             if item.dtype not in _CODES:
                 raise WireTypeError(f"{path} is a tensor of dtype {item.dtype}; the wire "
                                     f"carries {sorted(DTYPES)}")
+            if item.is_meta:
+                raise WireTypeError(f"{path} is a meta tensor: it has no data to send")
             continue
         if depth >= MAX_DEPTH:
             raise WireTypeError(f"{path} is nested more than {MAX_DEPTH} levels deep")

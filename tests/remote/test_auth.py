@@ -220,3 +220,78 @@ def test_the_endpoint_refuses_before_decoding(monkeypatch: pytest.MonkeyPatch) -
     reply = endpoint.serve(frame, "srv")
     assert parse(reply).kind == REFUSAL and decoded == []
     assert parse(endpoint.serve(Frame(b"garbage", []), "srv")).kind == REFUSAL
+
+
+# -- what the mutation run of remote/auth.py found untested (issue 34) ------------------------
+def test_set_job_secret_takes_a_secret_or_none_and_names_what_it_got() -> None:
+    previous = auth.set_job_secret(None)  # None: back to the environment's
+    try:
+        with pytest.raises(TypeError, match="set_job_secret expects a JobSecret, got str"):
+            auth.set_job_secret("00" * 32)  # type: ignore[arg-type]
+        mine = JobSecret.generate()
+        assert auth.set_job_secret(mine) is None
+        assert auth.set_job_secret(None) is mine
+    finally:
+        auth.set_job_secret(previous)
+
+
+def test_secrets_hash_as_their_key_ids() -> None:
+    a, b = JobSecret.generate(), JobSecret.generate()
+    assert hash(a) == hash(JobSecret.from_hex(a.hex())) == hash(a.key_id)
+    assert hash(a) != hash(b)  # 8 random bytes apart: a dict of jobs does not collide
+
+
+def test_a_bad_secret_in_the_environment_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(auth.ENV_SECRET, "not hex")
+    with pytest.raises(ValueError, match=r"^\$MOE_AUTOGRAD_SECRET must be 64 or more hex"):
+        JobSecret.from_env()
+
+
+def test_a_record_signature_is_framed_and_verified_as_such() -> None:
+    """Fleet records (rosters, marks) are signed texts: each text framed by
+    its length after the domain "record", so that no two lists of texts,
+    and no request MAC, share a signature."""
+    s = JobSecret.generate()
+    assert s.sign("a", "bc") == s.mac([b"6:record", b"1:a", b"2:bc"]).hex()
+    assert s.sign("ab", "c") != s.sign("a", "bc") != s.sign("abc")
+    assert s.verify(s.sign("a", "bc"), "a", "bc")
+    assert not s.verify(s.sign("a", "bc"), "ab", "c")
+    assert not s.verify(JobSecret.generate().sign("a", "bc"), "a", "bc")
+    assert not s.verify(s.sign("a").encode(), "a")  # not a str: refused, not compared
+    assert not s.verify(None, "a")
+
+
+def test_a_rejected_reply_is_counted_and_logged_with_its_reason(
+        secret: JobSecret, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="moe_autograd.remote.auth")
+    worker = f"srv-reject-{time.monotonic_ns()}"  # a log key of its own: not rate-limited
+    error = Session(secret).reject(worker, "a body that does not decode")
+    assert isinstance(error, ReplyRejected)
+    assert str(error) == f"server {worker!r} sent a body that does not decode"
+    assert security_stats()["rejected_replies"][worker] == 1
+    assert [r.getMessage() for r in caplog.records if worker in r.getMessage()] == [
+        f"rejected a body that does not decode from server {worker!r}"]
+    other = worker + "-b"  # rate-limited per server: another server's is logged too
+    Session(secret).reject(other, "a body that does not decode")
+    assert any(other in r.getMessage() for r in caplog.records)
+
+
+def test_idle_sessions_are_forgotten_only_past_the_clock_skew(
+        secret: JobSecret, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At MAX_SESSIONS live sessions a new one is taken only once older ones
+    have been idle longer than max_clock_skew (5 s here): their requests
+    are stale by then, so forgetting their replay windows lets no replay
+    in."""
+    clock = [1_000_000.0]
+    monkeypatch.setattr(auth.time, "time", lambda: clock[0])
+    monkeypatch.setattr(auth, "MAX_SESSIONS", 2)
+    first = sealed(Session(secret))[0]
+    gate.open(first, "srv")
+    gate.open(sealed(Session(secret))[0], "srv")
+    clock[0] += 5.0  # idle exactly max_clock_skew: still live
+    with pytest.raises(Refused, match="too many sessions"):
+        gate.open(sealed(Session(secret))[0], "srv")
+    clock[0] += 0.5
+    gate.open(sealed(Session(secret))[0], "srv")  # the two idle ones forgotten
+    with pytest.raises(Refused, match="stale"):
+        gate.open(first, "srv")  # a forgotten session's request: stale, not replayable

@@ -1,18 +1,25 @@
 """The body codec (moe_autograd/remote/wire.py): what arrives is what was sent,
 what cannot travel is refused by name, and the decoder never crashes and
 never allocates beyond what arrived, whatever the bytes (a fixed-seed fuzz of
-random and mutated messages: ``make test`` runs :data:`FUZZ_CASES` of them)."""
+random and mutated messages: ``make test`` runs :data:`FUZZ_CASES` of them);
+and the frame around it (moe_autograd/remote/frame.py): a header read
+without trusting it, a refusal that says its code only."""
 import math
 import os
 import random
+import re
 import struct
-from typing import Any, List
+import warnings
+from fractions import Fraction
+from typing import Any, Callable, List
 
 import msgpack
 import pytest
 import torch
 
-from moe_autograd.remote import wire
+from moe_autograd.remote import auth, frame, wire
+from moe_autograd.remote import compression as cz
+from moe_autograd.remote.compression import CODECS, Compressed
 from moe_autograd.remote.wire import WireError, WireTypeError, decode, encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -227,3 +234,428 @@ def test_decoder_fuzz_fixed_seed() -> None:
             buffers = [bytes(b.numpy()) if isinstance(b, torch.Tensor) else b for b in buffers]
         decoded += _check(bytes(data), list(buffers))
     assert decoded > FUZZ_CASES // 50  # the mutations reach past the first checks
+
+
+# -- what a caller's value may hold, and where check_value says it fails ----------------------
+class _Sub(torch.Tensor):
+    """A tensor subclass (its methods could run code on the receiving side)."""
+
+
+def _exactly(message: str) -> str:
+    return f"^{re.escape(message)}$"
+
+
+def _allowed() -> List[Any]:
+    """One of every kind a message carries, at the edges of its range."""
+    return [None, True, 1.5, "s", b"b", -(1 << 63), -(1 << 63) + 1, (1 << 63) - 1,
+            torch.ones(2), torch.nn.Parameter(torch.ones(2)),
+            Compressed(torch.ones(2), "int8"), [], (), {}]
+
+
+def test_every_kind_the_schema_carries_passes_the_check() -> None:
+    wire.check_value(_allowed(), "argument 0")
+    for value in _allowed():
+        wire.check_value(value, "argument 0")
+    wire.check_value({"k": _allowed(), "t": tuple(_allowed())}, "argument 0")
+
+
+@pytest.mark.parametrize("bad, message", [
+    (1 << 63, "x[0] is an int outside 64 bits (9223372036854775808)"),
+    (-(1 << 63) - 1, "x[0] is an int outside 64 bits (-9223372036854775809)"),
+    (Compressed(5, "fp16"),  # type: ignore[arg-type]
+     "x[0] is a Compressed of a int, not a tensor"),
+    (torch.ones(2).as_subclass(_Sub), "x[0] is a tensor subclass (_Sub): only plain tensors "
+                                      "travel"),
+    (torch.ones(2).to_sparse(), "x[0] is a torch.sparse_coo tensor: only dense tensors travel"),
+    (Compressed(torch.ones(2).to_sparse(), "fp16"),
+     "x[0] is a torch.sparse_coo tensor: only dense tensors travel"),
+    (torch.ones(2, dtype=torch.float8_e4m3fn),
+     "x[0] is a tensor of dtype torch.float8_e4m3fn; the wire carries " + str(sorted(wire.DTYPES))),
+    (1 + 2j, "x[0] is a builtins.complex, which cannot travel: messages carry tensors, numbers, "
+             "strings, bytes, bools, None and lists, tuples and str-keyed dicts of them"),
+    ({1: 2}, "x[0] has a key 1 of type int: dict keys must be str"),
+])
+def test_check_value_names_the_bad_part_past_the_good_ones(bad: Any, message: str) -> None:
+    """The bad part is first in the list and checked last: after every good kind."""
+    with pytest.raises(WireTypeError, match=_exactly(message)):
+        wire.check_value([bad] + _allowed(), "x")
+
+
+def _nested() -> torch.Tensor:
+    with warnings.catch_warnings():  # (a prototype API)
+        warnings.simplefilter("ignore")
+        return torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+
+
+def _quantized() -> torch.Tensor:
+    with warnings.catch_warnings():  # (a deprecated API)
+        warnings.simplefilter("ignore")
+        return torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.qint8)
+
+
+@pytest.mark.parametrize("make", [_nested, _quantized])
+def test_nested_and_quantized_tensors_are_not_dense(make: Callable[[], torch.Tensor]) -> None:
+    dense = make()
+    with pytest.raises(WireTypeError, match=_exactly("x is a torch.strided tensor: only dense "
+                                                     "tensors travel")):
+        wire.check_value(dense, "x")
+
+
+@pytest.mark.parametrize("container", ["list", "tuple", "dict"])
+def test_nesting_is_checked_to_max_depth(container: str) -> None:
+    def nest(levels: int) -> Any:
+        value: Any = torch.ones(1)
+        for _ in range(levels):
+            value = {"k": value} if container == "dict" else [value] if container == "list" \
+                else (value,)
+        return value
+
+    wire.check_value(nest(wire.MAX_DEPTH), "x")  # containers at depths 0 to MAX_DEPTH - 1
+    step = "['k']" if container == "dict" else "[0]"
+    with pytest.raises(WireTypeError, match=_exactly(
+            f"x{step * wire.MAX_DEPTH} is nested more than {wire.MAX_DEPTH} levels deep")):
+        wire.check_value(nest(wire.MAX_DEPTH + 1), "x")
+
+
+def test_tensor_nbytes_counts_every_element_materialised() -> None:
+    assert wire.tensor_nbytes(torch.ones(3, dtype=torch.float64)) == 24
+    assert wire.tensor_nbytes(torch.ones(1, dtype=torch.int16).expand(5, 7)) == 70
+    assert wire.tensor_nbytes(torch.ones(0, 4)) == 0
+    assert type(wire.tensor_nbytes(torch.ones(2, dtype=torch.uint8))) is int
+
+
+# -- compressed tensors (extension type 3) ----------------------------------------------------
+@pytest.mark.parametrize("codec, dtype", [
+    (codec, dtype) for codec in CODECS for dtype in wire.DTYPES.values()
+    if cz.applies(dtype, codec)])
+@pytest.mark.parametrize("shape", [(), (3,), (2, 65), (1,) * wire.MAX_DIMS])
+def test_compressed_tensors_arrive_plain_in_their_dtype_and_shape(codec: str, dtype: torch.dtype,
+                                                                  shape: Any) -> None:
+    t = (torch.arange(math.prod(shape), dtype=torch.float64) - 3).reshape(shape).to(dtype)
+    leaf = t.clone().requires_grad_()
+    out = roundtrip([Compressed(t, codec), Compressed(leaf, codec)])
+    for sent, got in zip((t, leaf), out):
+        assert type(got) is torch.Tensor and got.dtype == dtype and got.shape == shape
+        assert got.is_contiguous() and got.requires_grad == sent.requires_grad
+        assert torch.allclose(got.detach().double(), sent.detach().double(), rtol=0.02,
+                              atol=0.5)  # the codec's own bounds: tests/remote/test_compression.py
+
+
+def test_each_compressed_tensor_travels_once_and_arrives_as_itself() -> None:
+    a, b = torch.randn(8), torch.randn(8)
+    same_a = Compressed(a, "fp16")
+    body, buffers = encode([same_a, Compressed(b, "fp16"), same_a, Compressed(a, "fp16"),
+                            Compressed(a, "int8")])
+    assert [x.numel() for x in buffers] == [16, 16, 8, 4]  # a, b, a as int8 and its scales
+    out = decode(body, buffers)
+    assert out[0] is out[2] is out[3] and out[1] is not out[0] and out[4] is not out[0]
+    assert torch.allclose(out[1], b, rtol=1e-3) and torch.allclose(out[0], a, rtol=1e-3)
+
+
+@pytest.mark.parametrize("bad, error, message", [
+    (Compressed(5, "fp16"), WireTypeError,  # type: ignore[arg-type]
+     "Compressed holds a int, not a tensor"),
+    (Compressed(torch.ones(2).to_sparse(), "fp16"), WireTypeError,
+     "a torch.sparse_coo tensor cannot travel: only dense (strided) tensors"),
+    (Compressed(_nested(), "int8"),
+     WireTypeError, "a torch.strided tensor cannot travel: only dense (strided) tensors"),
+    (Compressed(torch.ones(2).as_subclass(_Sub), "bf16"), WireTypeError,
+     "a tensor subclass (_Sub) cannot travel: send a plain torch.Tensor"),
+    (Compressed(torch.ones((1,) * (wire.MAX_DIMS + 1)), "fp16"), WireTypeError,
+     f"a tensor of {wire.MAX_DIMS + 1} dimensions cannot travel (at most {wire.MAX_DIMS})"),
+])
+def test_a_compressed_tensor_that_cannot_travel_is_named(bad: Any, error: type,
+                                                         message: str) -> None:
+    with pytest.raises(error, match=_exactly(message)):
+        encode([bad])
+
+
+def packed(index: int, scales: int = 0xFFFFFFFF, codec: str = "fp16", dtype: Any = torch.float32,
+           shape: Any = (1,), requires_grad: int = 0, block: int = 0,
+           ndim: Any = None) -> msgpack.ExtType:
+    """A compressed tensor's extension type, as a sender (honest or not) writes it."""
+    code = CODES[dtype] if isinstance(dtype, torch.dtype) else dtype
+    ndim = len(shape) if ndim is None else ndim
+    data = struct.pack("<IIBBBBI", index, scales, cz.CODEC_IDS[codec], code, requires_grad, ndim,
+                       block)
+    return msgpack.ExtType(3, data + struct.pack("<" + "Q" * len(shape), *shape))
+
+
+HALF = b"\x00\x3c"  # 1.0 in float16
+INT8 = (packed(0, 1, "int8", block=64), b"\x01", struct.pack("<f", 2.0))  # 2.0
+
+
+def test_a_compressed_descriptor_repeated_is_one_tensor() -> None:
+    out = decode(_message([packed(0), packed(0)]), [HALF])
+    assert out[0] is out[1] and torch.equal(out[0], torch.ones(1))
+    out = decode(_message([INT8[0], INT8[0]]), list(INT8[1:]))
+    assert out[0] is out[1] and torch.equal(out[0], torch.full((1,), 2.0))
+
+
+@pytest.mark.parametrize("items, buffers, message", [
+    ([msgpack.ExtType(3, bytes(15))], [], "a compressed tensor's descriptor shorter than its "
+                                          "header"),
+    ([packed(0, shape=(1,), ndim=2)], [HALF], "a compressed tensor's malformed descriptor"),
+    ([packed(0, shape=(1,) * 33)], [HALF], "a compressed tensor's malformed descriptor"),
+    ([packed(0, shape=(1,) * 33, ndim=33)], [HALF], "a compressed tensor's malformed descriptor"),
+    ([packed(1)], [HALF], "a compressed tensor of buffer 1, of 1 (or claimed twice)"),
+    ([INT8[0], packed(1)], list(INT8[1:]), "a compressed tensor of buffer 1, of 2 (or claimed "
+                                           "twice)"),
+    ([packed(0), packed(0, shape=(1, 1))], [HALF], "buffer 0 claimed by two different tensors"),
+    ([packed(0), ref(0, dtype=torch.float16)], [HALF], "buffer 0 claimed by two different "
+                                                       "tensors"),
+    ([ref(0), packed(1, 0, "int8", block=64)], [bytes(4), b"\x01"],
+     "compressed tensor 1: scales in buffer 0, of 2 (or claimed twice)"),
+    ([packed(0, 2, "int8", block=64), packed(1, 2, "int8", block=64)],
+     [b"\x01", b"\x01", bytes(4)], "compressed tensor 1: scales in buffer 2, of 3 (or claimed "
+                                   "twice)"),
+    ([packed(0, 0, "int8", block=64)], [b"\x01"], "compressed tensor 0: scales in buffer 0, of 1 "
+                                                  "(or claimed twice)"),
+    ([packed(0, 1, "int8", block=64)], [b"\x01"], "compressed tensor 0: scales in buffer 1, of 1 "
+                                                  "(or claimed twice)"),
+    ([packed(0, dtype=200)], [HALF], "compressed tensor 0: a malformed descriptor"),
+    ([packed(0, requires_grad=2)], [HALF], "compressed tensor 0: a malformed descriptor"),
+    ([packed(0, shape=(1 << 48,))], [HALF], "compressed tensor 0: a size past 2**48"),
+    ([packed(0, shape=(1 << 47, 1 << 47))], [HALF],
+     f"compressed tensor 0: more than {wire.MAX_ELEMENTS} elements"),
+    ([packed(0, dtype=torch.int32)], [HALF], "compressed tensor 0: codec fp16 does not carry "
+                                             "torch.int32 tensors"),
+])
+def test_malformed_compressed_descriptors_are_refused_by_name(items: List[Any],
+                                                              buffers: List[bytes],
+                                                              message: str) -> None:
+    with pytest.raises(WireError, match=_exactly(message)):
+        decode(_message(items), buffers)
+
+
+# -- frames: a refusal, and the buffer lengths a head announces ------------------------------
+def test_a_refusal_says_its_code_and_nothing_else() -> None:
+    """Unsealed, it names no job, session, request or clock: the same bytes
+    for every request refused for one reason."""
+    for code in auth.REASONS:
+        refused = frame.refusal(code)
+        header = frame.parse(refused)
+        assert (header.kind, header.code, header.key_id, header.session, header.seq,
+                header.sent_ms, header.body_len, header.lengths) == \
+            (frame.REFUSAL, code, bytes(8), bytes(16), 0, 0, 0, [])
+        assert refused.head[header.mac_start:] == bytes(frame.MAC_BYTES)
+        assert refused.buffers == [] and refused.label == "refusal"
+
+
+def test_a_client_reads_a_refusal_by_its_code_alone() -> None:
+    """Whatever else an (unauthenticated) refusal's header says."""
+    session = auth.Session(auth.JobSecret.generate())
+    head = frame.build_head(frame.REFUSAL, session.secret.key_id, session.id, 7, 123456, 0, [],
+                            code=5)
+    with pytest.raises(auth.Refused, match="^replay: "):
+        session.open_reply("srv", 1, frame.Frame(head + bytes(frame.MAC_BYTES)))
+    with pytest.raises(auth.Refused, match="^malformed: "):  # a code it does not know
+        session.open_reply("srv", 1, frame.refusal(200))
+
+
+@pytest.mark.parametrize("lengths", [[], [5], [0, 1 << 40, 3], [1] * frame.MAX_BUFFERS])
+def test_buffer_lengths_reads_what_a_head_announces(lengths: List[int]) -> None:
+    head = frame.build_head(frame.REQUEST, bytes(8), bytes(16), 1, 2, 0, lengths)
+    assert frame.buffer_lengths(head) == lengths
+    assert frame.buffer_lengths(bytearray(head) + bytes(frame.MAC_BYTES) + b"body") == lengths
+
+
+def test_buffer_lengths_refuses_what_it_cannot_tell() -> None:
+    head = frame.build_head(frame.REQUEST, bytes(8), bytes(16), 1, 2, 0, [4, 4])
+    for bad in (None, "head", memoryview(head), head[:frame._FIXED.size - 1], b""):
+        with pytest.raises(frame.FrameError, match=_exactly("not a frame's head")):
+            frame.buffer_lengths(bad)
+    too_many = frame.build_head(frame.REQUEST, bytes(8), bytes(16), 1, 2, 0,
+                                [0] * (frame.MAX_BUFFERS + 1))
+    for bad in (head[:-1], head[:frame._FIXED.size], too_many):
+        with pytest.raises(frame.FrameError,
+                           match=_exactly("a frame's head too short for its buffer count")):
+            frame.buffer_lengths(bad)
+
+
+def _head(kind: int = frame.REQUEST, n: int = 0, body_len: int = 0, version: int = 1,
+          magic: bytes = b"MoEa") -> bytes:
+    """A header up to the MAC, as a sender (honest or not) writes it."""
+    return struct.pack("<4sBBBB8s16sQQII", magic, version, kind, 0, 0, bytes(8), bytes(16), 1, 2,
+                       body_len, n)
+
+
+def test_build_head_lays_out_the_documented_fields() -> None:
+    head = frame.build_head(frame.REPLY, b"k" * 8, b"s" * 16, 3, 4, 5, [6, 7])
+    assert head == (b"MoEa\x01\x02\x00\x00" + b"k" * 8 + b"s" * 16
+                    + struct.pack("<QQII", 3, 4, 5, 2) + struct.pack("<QQ", 6, 7))
+    assert frame.build_head(frame.REFUSAL, bytes(8), bytes(16), 0, 0, 0, [], code=9)[4:8] == \
+        b"\x01\x03\x09\x00"
+
+
+SEALED = _head(n=1, body_len=3) + struct.pack("<Q", 2) + bytes(frame.MAC_BYTES) + b"abc"
+
+
+@pytest.mark.parametrize("head, buffers, message", [
+    (memoryview(SEALED), [b"xy"], "a frame's head must be bytes, got memoryview"),
+    (SEALED[:55], [b"xy"], "a frame of 55 bytes is shorter than a header"),
+    (_head(), [], "a frame's head is 56 bytes, its header says 88"),
+    (_head(magic=b"MoEb") + bytes(32), [], "not a moe_autograd message (bad magic)"),
+    (_head(version=2) + bytes(32), [], "message version 2, this side speaks 1"),
+    (_head(kind=4) + bytes(32), [], "unknown message kind 4"),
+    (_head(n=frame.MAX_BUFFERS + 1), [], "a message of 65537 buffers and a 0-byte body is past "
+                                         "the limits (65536 buffers, 67108864 bytes)"),
+    (_head(body_len=frame.MAX_BODY_BYTES + 1), [], "a message of 0 buffers and a 67108865-byte "
+                                                   "body is past the limits (65536 buffers, "
+                                                   "67108864 bytes)"),
+    (_head(n=frame.MAX_BUFFERS), [], "a frame's head is 56 bytes, its header says 524376"),
+    (_head(body_len=frame.MAX_BODY_BYTES), [], "a frame's head is 56 bytes, its header says "
+                                               "67108952"),
+    (SEALED, [], "the header announces 1 buffers, 0 arrived"),
+    (SEALED, None, "the header announces 1 buffers, ? arrived"),
+    (SEALED, iter([b"xy"]), "the header announces 1 buffers, ? arrived"),
+    (SEALED, [b"xyz"], "buffer 0 has 3 bytes, the header says 2"),
+    (SEALED, [memoryview(b"xyzw")[::2]], "buffer 0 is not a byte buffer (memoryview: a buffer is "
+                                         "not contiguous)"),
+])
+def test_parse_names_what_is_wrong_with_a_frame(head: Any, buffers: Any, message: str) -> None:
+    with pytest.raises(frame.FrameError, match=_exactly(message)):
+        frame.parse(frame.Frame(head, buffers))
+
+
+def test_parse_names_a_buffer_that_is_no_byte_buffer() -> None:
+    with pytest.raises(frame.FrameError, match=r"^buffer 0 is not a byte buffer \(object: "):
+        frame.parse(frame.Frame(SEALED, [object()]))
+    header = frame.parse(frame.Frame(SEALED, [b"xy"]))
+    assert (header.body_start, header.body_len, header.lengths) == (96, 3, [2])
+
+
+@pytest.mark.parametrize("buffer, data", [
+    (b"ab", b"ab"), (bytearray(b"ab"), b"ab"), (memoryview(b"abcd")[1:3], b"bc"),
+    (torch.tensor([1, 255], dtype=torch.uint8), b"\x01\xff"),
+    (torch.tensor([-1, 2], dtype=torch.int8), b"\xff\x02"),
+    (torch.ones(2, requires_grad=True), struct.pack("<ff", 1, 1)),
+    (torch.arange(6, dtype=torch.uint8).reshape(2, 3), bytes(range(6))),
+    (torch.ones(2, 2, dtype=torch.float64).numpy(), struct.pack("<4d", 1, 1, 1, 1)),
+])
+def test_buffer_view_is_the_flat_bytes_of_any_buffer(buffer: Any, data: bytes) -> None:
+    view = frame.buffer_view(buffer)
+    assert (view.format, view.ndim, len(view), view.tobytes()) == ("B", 1, len(data), data)
+
+
+def test_a_non_contiguous_buffer_is_refused() -> None:
+    with pytest.raises(frame.FrameError, match=_exactly("a buffer is not contiguous")):
+        frame.buffer_view(memoryview(b"abcd")[::2])
+
+
+# -- encoding and decoding at the edges ---------------------------------------------------------
+def test_tensors_of_no_dimensions_and_of_max_dims_travel() -> None:
+    value = [torch.tensor(2.5), torch.ones((1,) * wire.MAX_DIMS),
+             torch.randn((2,) + (1,) * 30 + (3,)).transpose(0, 31)]
+    assert same(roundtrip(value), value)
+    with pytest.raises(WireTypeError, match=_exactly(
+            f"a tensor of {wire.MAX_DIMS + 1} dimensions cannot travel (at most {wire.MAX_DIMS})")):
+        encode(torch.ones((1,) * (wire.MAX_DIMS + 1)))
+
+
+@pytest.mark.parametrize("bad, message", [
+    (object(), "a builtins.object cannot travel: messages carry tensors, numbers, strings, bytes, "
+               "bools, None and lists, tuples and str-keyed dicts of them"),
+    (Fraction(1, 3), "a fractions.Fraction cannot travel: messages carry tensors, numbers, "
+                     "strings, bytes, bools, None and lists, tuples and str-keyed dicts of them"),
+    (torch.ones(2, dtype=torch.float8_e4m3fn),
+     "a tensor of dtype torch.float8_e4m3fn cannot travel; the wire carries "
+     + str(sorted(wire.DTYPES))),
+    (torch.ones(2).to_sparse(), "a torch.sparse_coo tensor cannot travel: only dense (strided) "
+                                "tensors"),
+    ("\ud800", "cannot encode the message: 'utf-8' codec can't encode character '\\ud800' in "
+               "position 0: surrogates not allowed"),
+])
+def test_encode_names_what_cannot_travel(bad: Any, message: str) -> None:
+    with pytest.raises(WireTypeError, match=_exactly(message)):
+        encode([bad])
+
+
+def test_a_tensor_without_data_cannot_travel() -> None:
+    """A meta tensor (shapes only) is refused like every other value that
+    cannot travel, not with the NotImplementedError of copying it out."""
+    meta = torch.ones(3, 2, device="meta")
+    with pytest.raises(WireTypeError, match=_exactly("argument 0[1] is a meta tensor: it has no "
+                                                     "data to send")):
+        wire.check_value([1, meta], "argument 0")
+    for value in (meta, Compressed(meta, "fp16"), Compressed(meta, "int8")):
+        with pytest.raises(WireTypeError, match=_exactly("a meta tensor cannot travel: it has "
+                                                         "no data to send")):
+            encode([value])
+
+
+def test_empty_tensors_keep_their_dtype_and_allocate_nothing() -> None:
+    for dtype in (torch.int64, torch.float64, torch.bool):
+        out = roundtrip(torch.empty(0, 3, dtype=dtype))
+        assert out.dtype == dtype and out.shape == (0, 3) and out.untyped_storage().nbytes() == 0
+    # any strides span nothing when there are no elements
+    out = decode(_message([ref(0, dtype=torch.int32, shape=(3, 0), strides=(7, 5))]), [b""])
+    assert out[0].shape == (3, 0) and out[0].dtype == torch.int32
+
+
+def test_a_buffer_is_viewed_in_place_where_aligned_and_copied_where_not() -> None:
+    storage = torch.arange(16, dtype=torch.uint8)
+    aligned = decode(_message([ref(0)]), [storage[4:8]])[0]
+    assert aligned.data_ptr() == storage[4:8].data_ptr()  # no copy
+    misaligned = decode(_message([ref(0)]), [storage[5:9]])[0]
+    assert torch.equal(misaligned.view(torch.uint8), storage[5:9])
+    assert misaligned.data_ptr() != storage[5:9].data_ptr()
+
+
+@pytest.mark.parametrize("buffer", [
+    torch.zeros(1, dtype=torch.float32), torch.zeros(2, 2, dtype=torch.uint8),
+    torch.zeros(8, dtype=torch.uint8)[::2], torch.zeros(4, dtype=torch.uint8).as_subclass(_Sub)])
+def test_a_buffer_tensor_must_be_flat_bytes(buffer: torch.Tensor) -> None:
+    with pytest.raises(WireError, match=_exactly("a buffer tensor must be a contiguous 1-D uint8 "
+                                                 "CPU tensor")):
+        decode(_message([ref(0)]), [buffer])
+
+
+def test_the_largest_element_count_and_sizes_are_the_limits() -> None:
+    big = decode(_message([ref(0, shape=(1 << 24, 1 << 24), strides=(0, 0))]), [bytes(4)])[0]
+    assert big.numel() == wire.MAX_ELEMENTS
+    for shape, strides in (((1 << 48,), (0,)), ((1,), (1 << 48,))):
+        with pytest.raises(WireError, match=_exactly("tensor 0: a size or stride past 2**48")):
+            decode(_message([ref(0, shape=shape, strides=strides)]), [bytes(4)])
+    with pytest.raises(WireError, match=_exactly(
+            "compressed tensor 0: a fp16 payload of 2 bytes for 281474976710656 elements "
+            "(expected 562949953421312)")):
+        decode(_message([packed(0, shape=(1 << 24, 1 << 24))]), [HALF])
+
+
+@pytest.mark.parametrize("items, buffers, message", [
+    ([msgpack.ExtType(1, bytes(6))], [], "a tensor descriptor shorter than its header"),
+    ([ref(5, shape=(2,), strides=(1,), ndim=3)], [], "tensor 5: a malformed descriptor"),
+    ([ref(1)], [bytes(4)], "a tensor of buffer 1, of 1"),
+    ([ref(0, dtype=len(wire.DTYPES))], [bytes(4)], "tensor 0: a malformed descriptor"),
+    ([packed(0, dtype=len(wire.DTYPES))], [HALF], "compressed tensor 0: a malformed descriptor"),
+    ([INT8[0], ref(1)], list(INT8[1:]), "buffer 1 claimed by a tensor and as scales"),
+    ([ref(0)], [bytes(4), bytes(4)], "2 buffers arrived for 1 tensors"),
+    ([INT8[0]], list(INT8[1:]) + [b"", b""], "4 buffers arrived for 1 tensors and 1 scales"),
+    ([msgpack.ExtType(2, msgpack.packb(5))], [], "a tuple must hold an array"),
+])
+def test_decode_names_what_does_not_add_up(items: List[Any], buffers: List[Any],
+                                           message: str) -> None:
+    with pytest.raises(WireError, match=_exactly(message)):
+        decode(_message(items), buffers)
+
+
+def test_a_body_with_bytes_left_over_is_malformed() -> None:
+    with pytest.raises(WireError, match=r"^malformed message body: ExtraData: "):
+        decode(_message(1) + b"\x01", [])
+
+
+def test_tuples_nest_to_max_depth_and_keep_their_items() -> None:
+    def nest(levels: int) -> Any:
+        value: Any = ("s", b"b")
+        for _ in range(levels - 1):
+            value = (value,)
+        return value
+
+    value = [(), (("x",),), nest(wire.MAX_DEPTH)]  # siblings first: the depth is given back
+    assert same(roundtrip(value), value)
+    with pytest.raises(WireError, match=_exactly(f"tuples nested more than {wire.MAX_DEPTH} deep")):
+        roundtrip([(), (("x",),), nest(wire.MAX_DEPTH + 1)])
+    inner = msgpack.packb([{1: 2}])  # in a tuple as anywhere: map keys are str
+    with pytest.raises(WireError, match=r"^malformed message body: ValueError: "):
+        decode(_message(msgpack.ExtType(2, inner)), [])
