@@ -168,15 +168,16 @@ class JobSecret:
         path = os.fspath(path)
         try:
             mode = os.stat(path).st_mode
-            with open(path, encoding="ascii") as f:
-                text = f.read()
+            with open(path, "rb") as f:
+                raw = f.read()
         except OSError as error:
             raise MissingSecretError(f"cannot read the job secret file {path!r}: {error}"
                                      ) from error
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise PermissionError(f"the job secret file {path!r} is open to its group or to "
                                   f"others (mode {stat.S_IMODE(mode):o}): run chmod 600 on it")
-        return cls.from_hex(text, f"the job secret file {path!r}")
+        # hex is ASCII: a byte outside it makes the file no secret, said as such
+        return cls.from_hex(raw.decode("ascii", "replace"), f"the job secret file {path!r}")
 
     @classmethod
     def from_env(cls) -> Optional["JobSecret"]:

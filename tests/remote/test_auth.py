@@ -77,7 +77,7 @@ def test_the_mac_is_hmac_sha256() -> None:
     import hashlib
     import hmac
 
-    for n in (32, 64, 100):
+    for n in (32, 64, 65, 100):  # a key longer than SHA-256's block is hashed first
         key = bytes(range(n))
         parts = [b"header", memoryview(b"body" * 100), b"", bytes(5000)]
         assert JobSecret(key).mac(parts) == hmac.new(key, b"".join(parts), hashlib.sha256).digest()
@@ -295,3 +295,37 @@ def test_idle_sessions_are_forgotten_only_past_the_clock_skew(
     gate.open(sealed(Session(secret))[0], "srv")  # the two idle ones forgotten
     with pytest.raises(Refused, match="stale"):
         gate.open(first, "srv")  # a forgotten session's request: stale, not replayable
+
+
+def test_a_refusal_has_its_code_and_says_its_detail_or_else_its_help() -> None:
+    for code, reason in auth.REASONS.items():
+        assert Refused(reason).code == code
+        assert str(Refused(reason)) == f"{reason}: {auth._HELP[reason]}"
+        assert str(Refused(reason, "this request")) == f"{reason}: this request"
+
+
+def test_a_key_id_is_the_documented_digest_of_the_key() -> None:
+    """Servers and trainers of different installs must agree on it: it names
+    the job in every header."""
+    import hashlib
+
+    key = bytes(range(32))
+    assert JobSecret(key).key_id == hashlib.sha256(b"moe_autograd key id\0" + key).digest()[:8]
+
+
+def test_secrets_that_are_no_secrets_are_named(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^the secret must be 64 or more hex digits, got 4$"):
+        JobSecret.from_hex("abcd")
+    with pytest.raises(ValueError, match=r"^the secret must be 64 or more hex digits$"):
+        JobSecret.from_hex("not hex")
+    missing = tmp_path / "missing.secret"
+    with pytest.raises(MissingSecretError,
+                       match=rf"^cannot read the job secret file '{missing}': \[Errno 2\]"):
+        JobSecret.from_file(missing)
+    for content in (b"abcd\n", "\u00e9".encode() * 40):  # too short; not ASCII at all
+        path = tmp_path / f"bad-{len(content)}.secret"
+        path.write_bytes(content)
+        path.chmod(0o600)
+        with pytest.raises(ValueError, match=rf"^the job secret file '{path}' must be 64 or "
+                                             "more hex digits"):
+            JobSecret.from_file(path)
