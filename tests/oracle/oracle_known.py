@@ -129,7 +129,8 @@ KNOWN_DIVERGENCES: List[Known] = [
           "allow_unused=True): an output of the node that no pass reaches, so None where "
           "the loop's is its gradient through the call's outputs",
           lambda c: c.grad_method == "autograd_grad" and c.keep_named is not None
-          and not c.keep_in_loss, ("autograd_grad.values",)),
+          and not c.keep_in_loss, ("autograd_grad.values",),
+          witnesses=((0, 960), (1795791825, 154), (1795791825, 546))),
     Known("D7g-view-of-input-before-a-later-flip",
           "a call returns a view of its input and a later call calls requires_grad_() on "
           "that input: the loop's view was made before the flip (a leaf view, no grad_fn); "
