@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -434,14 +435,32 @@ def _compiled_inductor(h: Tensor, w: Tensor) -> Tensor:
 #: on first use (importing dynamo and inductor costs seconds).
 _TO_COMPILE = {"eager": _compiled_eager, "aot_eager": _compiled_aot_eager,
                "inductor": _compiled_inductor}
-_COMPILED: Dict[str, Callable[[Tensor, Tensor], Tensor]] = {}
+_COMPILED: Dict[Tuple[str, bool], Callable[[Tensor, Tensor], Tensor]] = {}
+
+#: Whether the case under way runs a backward that keeps the graph (set by
+#: the harness). AOTAutograd compiles a graph's backward at its first
+#: backward and, if that one did not keep the graph, donates its buffers: a
+#: later backward that keeps it raises, in the loop as in the runtime. Cases
+#: share the compiled functions, and the loop and the runtime run separate
+#: cache entries of them (the runtime's dispatch state is guarded), so which
+#: side raised depended on earlier cases (seed 1795803072: case 258, then
+#: case 1594 raised in the runtime only). Cases that keep the graph get
+#: functions of their own, so every cache entry sees one kind of backward.
+GRAPH_KEPT = [False]
+
+
+def _copy(fn: Callable[..., Any], suffix: str) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (a cache of its own in dynamo)."""
+    code = fn.__code__.replace(co_name=fn.__name__ + suffix)
+    return types.FunctionType(code, fn.__globals__, code.co_name)
 
 
 def compiled(backend: str) -> Callable[[Tensor, Tensor], Tensor]:
-    if backend not in _COMPILED:
-        _COMPILED[backend] = torch.compile(_TO_COMPILE[backend], backend=backend,
-                                           dynamic=False)
-    return _COMPILED[backend]
+    key = (backend, GRAPH_KEPT[0])
+    if key not in _COMPILED:
+        fn = _copy(_TO_COMPILE[backend], "_kept") if key[1] else _TO_COMPILE[backend]
+        _COMPILED[key] = torch.compile(fn, backend=backend, dynamic=False)
+    return _COMPILED[key]
 
 
 def compile_backends() -> Tuple[str, ...]:

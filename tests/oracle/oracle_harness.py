@@ -40,7 +40,7 @@ from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.rng import CallRng
 
 from oracle_cases import Case
-from oracle_experts import (INTERRUPTS, ROWS, STAGES, VOCAB, WIDTH, Expert,
+from oracle_experts import (GRAPH_KEPT, INTERRUPTS, ROWS, STAGES, VOCAB, WIDTH, Expert,
                             InnerCheckpoint, InputInPlace, Interrupt, Keep, Mark, Nested,
                             RaiseAny, RaiseBackward, RaiseForward, Threads, structure,
                             tensor_leaves)
@@ -949,6 +949,7 @@ def compare(loop: Log, runtime: Log, may_raise: bool) -> Tuple[str, Optional[Div
 
 def run_case(case: Case) -> Tuple[Log, Log]:
     """Both sides of ``case``: ``(loop, runtime)``."""
+    GRAPH_KEPT[0] = case.second_backward or case.transform is not None
     loop = execute(case, LOOP)
     runtime = execute(case, RUNTIME)
     return loop, runtime

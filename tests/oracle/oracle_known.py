@@ -238,13 +238,16 @@ KNOWN_DIVERGENCES: List[Known] = [
           "recomputation stops "
           "early in the loop (at the last tensor it saved), but runs the runtime's batch "
           "whole (checkpoint=False) or not at all (checkpoint=True): buffers, attributes "
-          "and gradients differ",
+          "and gradients differ; with mixed checkpointing in parallel mode, the frame's "
+          "recomputation can run a checkpointed call's forward while the runtime recomputes "
+          "it on another worker, and the runtime's backward raises in some runs (seed "
+          "1795803072 case 1392: not a witness, it shows in about half the runs)",
           lambda c: c.frame == "ckpt_nonreentrant" and c.grad_mode == "grad" and (any(
               st in s.stages or s.output == "aux" for s in c.calls
               for st in ("spectral_norm", "bn", "counter", "introspect", "keep", "keep_plain",
                          "threads", "mark", "step")) or c.shared_stage is not None),
           ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs",
-           "kept_grads"),
+           "kept_grads", "backward"), ("value", "unexpected_error"),
           witnesses=((1, 313), (1, 2457), (7, 541), (1795467467, 4032), (1795467467, 17148),
                      (1795671127, 799), (1795671127, 7014), (1795791825, 2653))),
 ]
