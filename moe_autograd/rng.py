@@ -79,7 +79,9 @@ Invariants
   would have left them (unless another thread drew from them meanwhile: then
   they are left as that thread left them).
 * The innermost activation on a thread rules; leaving it restores the outer one
-  and the thread's dispatch state.
+  and the thread's dispatch state. Leaving one that is not innermost (a
+  generator-based context closed late) leaves the ones above it in force: the
+  one right above it restores, when it is left, what it would have restored.
 * :meth:`CallRng.fork` inside an active :class:`CallRng` derives the child's
   seed from the parent's seed and the fork's place in the activation, without
   drawing (a nested batch that draws nothing leaves every generator alone, and
@@ -215,15 +217,21 @@ class _Activation:
             _set_excluded(_KEY, False)
 
     def __exit__(self, *exc: Any) -> None:
-        included, excluded = self._saved
-        _set_included(_KEY, included)
-        if excluded:
-            _set_excluded(_KEY, True)
         stack = _local.stack
         if stack and stack[-1] is self:
             stack.pop()
-        else:  # exited out of order (a generator-based context closed late)
-            stack.remove(self)
+            included, excluded = self._saved
+            _set_included(_KEY, included)
+            if excluded:
+                _set_excluded(_KEY, True)
+        else:
+            # Exited out of order (a generator-based context closed late):
+            # the activations above stay in force; the one right above takes
+            # over what this one restores, and runs in this one's outer.
+            i = stack.index(self)
+            above = stack[i + 1]
+            above._saved, above.outer = self._saved, self.outer
+            del stack[i]
         if not self.override:
             self.stream._closed(self)
         spares = _local.spare

@@ -78,8 +78,9 @@ SHARDS: Dict[str, Tuple[List[str], List[str]]] = {
          "tests/remote/test_remote_limits.py"]),
     "rng": (
         [_PKG + "rng.py"],
-        ["tests/test_rng.py", "tests/test_rng_batches.py", "tests/test_regressions_order.py",
-         "tests/test_checkpoint.py"]),
+        ["tests/test_rng.py", "tests/test_rng_router.py", "tests/test_rng_streams.py",
+         "tests/test_rng_batches.py",
+         "tests/test_regressions_order.py", "tests/test_checkpoint.py"]),
     "module-state": (
         [_PKG + "module_state.py", _PKG + "checkpoint.py"],
         ["tests/test_module_state.py", "tests/test_checkpoint.py",
