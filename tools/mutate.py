@@ -94,6 +94,8 @@ SHARDS: Dict[str, Tuple[List[str], List[str]]] = {
         [_PKG + "moe/layer.py"],
         ["tests/moe/test_moe_layer.py", "tests/moe/test_moe_options.py",
          "tests/moe/test_moe_faults.py", "tests/moe/test_moe_gaps.py",
+         "tests/moe/test_moe_layer_parts.py", "tests/moe/test_moe_logs.py",
+         "tests/moe/test_grouped.py", "tests/moe/test_mixtral.py", "tests/moe/test_zoo_blocks.py",
          "tests/test_module_state.py"]),
 }
 
