@@ -60,6 +60,10 @@ Invariants:
   graph is ever rewired by the outer engine. Outputs that alias the caller's
   tensors never reach the node: a record rebuilds them itself (see
   :meth:`moe_autograd.module_call.ModuleCall.rebuild`).
+* A call's gradient node runs on the engine's thread for the call's device,
+  as the loop's nodes of that call do (its token is on that device): a
+  tensor's gradient terms from the calls and from the caller's own ops are
+  then summed on one thread, in the loop's order, bit for bit.
 * A failing call is raised in the loop's order (the last failing call first,
   as a loop's backward meets it) after every call was joined: none is left
   running on half-freed state. Streaming, the gradients of the calls handed
@@ -215,6 +219,8 @@ class _Plan:
         self.output_meta = [
             [(o.shape, o.dtype, o.device) for o in call.outputs] for call in calls
         ]
+        #: The device of each call's gradient node's token (see ``_CallGradients``).
+        self.token_devices = [_engine_device(meta) for meta in self.output_meta]
 
     def release(self) -> None:
         """The node's saved state is freed: its calls go, but those whose own
@@ -238,6 +244,17 @@ class _Plan:
         if call.saves is not None:
             call.saves.release()
         self.calls[i] = None  # type: ignore[call-overload]  # the record and all it holds
+
+
+def _engine_device(meta: Sequence[Tuple[Any, Any, torch.device]]) -> torch.device:
+    """The device whose engine thread runs a node with outputs ``meta``: the
+    first that is not the CPU, as the engine picks a node's ready queue from
+    its input buffer. A call's gradient node must run where the loop's nodes
+    of that call run (a CUDA call's on the CUDA device thread): on another
+    thread it would add its gradients to a shared tensor's buffer concurrently
+    with the loop's other nodes (the caller's ``x.sin()``), in a racing order,
+    and the sum would differ from the loop's in its last bits."""
+    return next((device for _, _, device in meta if device.type != "cpu"), torch.device("cpu"))
 
 
 _CreationMeta = torch._C._autograd.CreationMeta
@@ -410,8 +427,8 @@ class _ParallelNode(torch.autograd.Function):
             # it finishes (in the engine's order: later calls first).
             plan.current = backward
             torch.autograd.Variable._execution_engine.queue_callback(backward.finish)
-            tokens = [torch.empty(0) if i in backward.position else None
-                      for i in reversed(range(len(calls))) if not plan.constant[i]]
+            tokens = [torch.empty(0, device=plan.token_devices[i]) if i in backward.position
+                      else None for i in reversed(range(len(calls))) if not plan.constant[i]]
             return (None, *_node_order(plan, [None, *tokens, *[None] * n_flat]))
         input_grads: List[Grads] = [[None] * len(call.inputs) for call in calls]
         try:
@@ -441,7 +458,8 @@ class _CallGradients(torch.autograd.Function):
         token = torch.empty(0)
         weakref.finalize(token, plan.release_call, i)
         ctx.save_for_backward(token)
-        return torch.empty(0)
+        # On the call's device: the engine runs this node on that device's thread.
+        return torch.empty(0, device=plan.token_devices[i])
 
     @staticmethod
     def backward(ctx: Any, grad: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:  # type: ignore[override]

@@ -2,6 +2,7 @@
 per-call random streams are per device and replay exactly, checkpoint frames
 and the MoE layer work there. Skipped without a GPU (CI has none)."""
 import copy
+import threading
 from typing import Any, List, Optional
 
 import pytest
@@ -109,6 +110,60 @@ def test_non_reentrant_checkpoint_frame_on_cuda() -> None:
     torch_checkpoint(loop, xr, use_reentrant=False).backward()
     _close(_grads([x] + [p for e in experts for p in e.parameters()]),
            _grads([xr] + [p for e in ref for p in e.parameters()]))
+
+
+def _nodes_named(roots: List[Tensor], part: str) -> List[Any]:
+    """The nodes of the graph behind ``roots`` whose name holds ``part``."""
+    seen: set = set()
+    found: List[Any] = []
+    todo = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if part in fn.name():
+            found.append(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return found
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])  # inline: no node, the loop itself
+@pytest.mark.parametrize("where", ["cuda", "mixed"])
+def test_call_gradient_nodes_run_on_their_devices_engine_thread(mode: str, where: str) -> None:
+    """Each call's gradient node runs on the engine's thread for the call's
+    device, where the loop's nodes of that call run: a CUDA call's on the CUDA
+    device thread, beside the caller's ``x.sin()``; a CPU call's on the
+    thread that runs the caller's CPU ops. On another thread it added its
+    gradients to ``x``'s buffer concurrently with ``SinBackward``, in a racing
+    order, and ``x.grad`` differed from the loop's in its last bits (seen in
+    ``test_devices.py``, one run in two on an H200)."""
+    devices = ["cuda:0", "cuda:0"] if where == "cuda" else ["cuda:0", "cpu"]
+    experts = [_mlp(k, d) for k, d in enumerate(devices)]
+    xs = {d: torch.randn(5, 8, dtype=DT, device=d, requires_grad=True) for d in set(devices)}
+    inputs = [xs[d] if k == 0 else xs[d].sin() for k, d in enumerate(devices)]
+    outs = parallel_apply(experts, inputs, mode=mode)
+    threads: dict = {}
+
+    def record(label: str) -> Any:
+        def hook(*_: Any) -> None:
+            threads.setdefault(label, set()).add(threading.get_ident())
+        return hook
+    nodes = _nodes_named(outs, "_CallGradients")
+    assert len(nodes) == 2
+    for fn in nodes:
+        fn.register_prehook(record(f"call {fn.i}"))  # the node is the Function's ctx
+    sins = _nodes_named(inputs, "SinBackward")
+    assert len(sins) == 1
+    sins[0].register_prehook(record("sin"))
+    outs[0].grad_fn.register_prehook(record("node"))  # on the CUDA thread: it has CUDA outputs
+    sum(o.square().sum().cpu() for o in outs).backward()
+    assert len(threads["call 1"]) == 1, threads
+    assert threads["call 0"] == threads["node"], threads
+    assert threads["call 1"] == threads["sin"], threads
+    if where == "mixed":
+        assert threads["call 1"] != threads["node"], threads
 
 
 class _Scale(torch.autograd.Function):

@@ -960,3 +960,17 @@ def test_closure_over_a_non_leaf_raises_and_over_a_leaf_is_a_parameter():
     out.sum().backward()
     want = x.detach().t() @ torch.ones(2, 4, dtype=DT)
     torch.testing.assert_close(w.grad, want)
+
+
+def test_a_calls_gradient_node_runs_on_its_devices_engine_thread():
+    """The engine runs a node on the thread of the first device among its
+    outputs that is not the CPU (its input buffer's device); a call's gradient
+    node's token is put there, so the node runs where the loop's nodes of that
+    call run. ``tests/test_cuda.py`` checks the threads themselves on CUDA;
+    here, the rule for outputs on several devices."""
+    from moe_autograd.node import _engine_device
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert _engine_device([]) == cpu
+    assert _engine_device([((2,), DT, cpu), ((3,), DT, cpu)]) == cpu
+    assert _engine_device([((2,), DT, cpu), ((1,), DT, meta),
+                           ((1,), DT, torch.device("cuda", 1))]) == meta

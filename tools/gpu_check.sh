@@ -3,7 +3,7 @@
 # /work/.library/device): the CUDA tests, a profiler trace of overlapping
 # calls, PyTorch's CUDA sanitizer on the stream paths, the bench's GPU rows,
 # then the whole suite file by file. Logs go to $OUT (at most 8 files come
-# back: cuda_tests.txt, bench.txt, profile.txt, sanitizer.txt, suite.txt, trace/ (3)). Usage there: bash tools/gpu_check.sh [SECTIONS...]  (default: all)
+# back: cuda_tests.txt, repeat.txt, bench.txt, profile.txt, sanitizer.txt, suite.txt, trace/ (3)). Usage there: bash tools/gpu_check.sh [SECTIONS...]  (default: all)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
@@ -14,7 +14,7 @@ if [ ! -d /tmp/site/transformers ] && ls .whl/*.whl >/dev/null 2>&1; then
     --target /tmp/site .whl/*.whl
 fi
 [ -d /tmp/site ] && export PYTHONPATH=$PWD:/tmp/site
-sections=${*:-"env tests overlap bench sanitizer suite"}
+sections=${*:-"env tests repeat overlap bench sanitizer suite"}
 log() { echo "== $(date +%T) $*"; }
 
 for s in $sections; do case $s in
@@ -35,6 +35,14 @@ tests)
     tests/test_call_streams.py -q -p no:cacheprovider --timeout 60 >> "$OUT/cuda_tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/cuda_tests.txt"
   grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/cuda_tests.txt" | tail -15 ;;
+repeat)
+  log repeat  # the exact-equality tests again and again: a race shows in some runs only
+  for i in $(seq ${REPEAT:-5}); do
+    timeout 60 python3 -m pytest tests/test_devices.py tests/test_cuda.py -q -p no:cacheprovider \
+      --timeout 50 -rfE >> "$OUT/repeat.txt" 2>&1
+    echo "run $i rc=$?" >> "$OUT/repeat.txt"
+  done
+  grep -E "^(FAILED|ERROR)|^run" "$OUT/repeat.txt" ;;
 overlap)
   log overlap
   # streams on (MOE_AUTOGRAD_CUDA_STREAMS=8): small experts, then medium ones
