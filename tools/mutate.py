@@ -89,7 +89,10 @@ SHARDS: Dict[str, Tuple[List[str], List[str]]] = {
         [_PKG + "module_call.py", _PKG + "node.py", _PKG + "parallel.py"],
         ["tests/test_parallel.py", "tests/test_autograd.py", "tests/test_parallel_checkpoint.py",
          "tests/test_kept.py", "tests/test_module_state.py", "tests/test_rng_batches.py",
-         "tests/test_regressions_order.py"]),
+         "tests/test_regressions_order.py", "tests/test_node.py", "tests/test_param_inputs.py",
+         "tests/test_regressions_oracle.py", "tests/test_checkpoint_frames.py",
+         # the node's backward policy: the layer's tolerant passes, deadlines and quorum
+         "tests/moe/test_moe_faults.py"]),
     "layer": (
         [_PKG + "moe/layer.py"],
         ["tests/moe/test_moe_layer.py", "tests/moe/test_moe_options.py",
