@@ -75,6 +75,19 @@ class BackwardBarrier(Function):
         return g, None
 
 
+class RaisesInBackward(Function):
+    """Identity whose backward raises ``ValueError(message)``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, message: str) -> Tensor:  # type: ignore[override]
+        ctx.message = message
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor) -> Any:  # type: ignore[override]
+        raise ValueError(ctx.message)
+
+
 # -- small float64 experts and a plain (no moe_autograd) MoE, for the tests of
 # -- parameters as node inputs, checkpoint frames, torch.compile and DDP --------
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from moe_autograd import parallel_apply
 from moe_autograd.node import BackwardPolicy, Grads, IsolatedCall, attach
 from moe_autograd.parallel import finish_calls, start_calls
-from helpers import BackwardBarrier
+from helpers import BackwardBarrier, RaisesInBackward
 
 DT = torch.float64
 MODES = ["lanes", "parallel"]
@@ -98,17 +98,17 @@ def test_the_calls_own_graphs_are_freed_by_a_backward_that_does_not_retain(mode:
     hook) has its saved tensors freed by ``backward()``, kept with
     ``retain_graph=True``."""
     for retain in (False, True):
-        kept: List[Tensor] = []
+        kept: List[Tuple[Tensor, Tensor]] = []
         experts = [_mlp(0), _mlp(1)]
         for e in experts:
-            e[0].register_forward_hook(lambda m, i, o: kept.append(o))
+            e[0].register_forward_hook(lambda m, i, o: kept.append((i[0].detach(), o)))
         x = torch.randn(3, 4, dtype=DT, requires_grad=True)
         sum(o.sum() for o in parallel_apply(experts, [x, 2 * x], mode=mode)).backward(
             retain_graph=retain)
         assert len(kept) == 2
-        for t in kept:
-            if retain:
-                assert torch.equal(t.grad_fn._saved_mat1, t.grad_fn._saved_mat1)
+        for inp, t in kept:
+            if retain:  # the first Linear's saved input: the call's input
+                assert torch.equal(t.grad_fn._saved_mat1, inp)
             else:
                 with pytest.raises(RuntimeError, match="after they have already been freed"):
                     t.grad_fn._saved_mat1
@@ -210,17 +210,7 @@ class _Fails(nn.Module):
         self.w = nn.Parameter(torch.ones(4, dtype=DT))
 
     def forward(self, x: Tensor) -> Tensor:
-        return _Raise.apply(x * self.w)
-
-
-class _Raise(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor) -> Tensor:  # type: ignore[override]
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, g: Tensor) -> Tensor:  # type: ignore[override]
-        raise ValueError("this expert fails in backward")
+        return RaisesInBackward.apply(x * self.w, "this expert fails in backward")
 
 
 @pytest.mark.parametrize("timeout", [None, 60.0])
