@@ -77,6 +77,9 @@ class Known:
     #: ``(seed, index)`` of cases that showed it, run by its sentinel besides
     #: the sample (a divergence may hide behind another in the sample's cases).
     witnesses: Tuple[Tuple[int, int], ...] = ()
+    #: Shows in some runs only (it depends on the process's history): a run
+    #: where no case shows it is not taken as its end.
+    sometimes: bool = False
 
     def matches(self, case: Case, divergence: Divergence) -> bool:
         step = divergence.key.split(".", 1)[1] if divergence.key.startswith("it") \
@@ -219,7 +222,8 @@ KNOWN_DIVERGENCES: List[Known] = [
           "internal assert 'out != nullptr' (variable.cpp:207) in Function.apply",
           lambda c: c.function == "FDirty" and c.retain_grad and c.iterations > 1,
           ("forward",), ("unexpected_error",),
-          witnesses=((1795467467, 101), (1795467467, 9586))),
+          witnesses=((1795467467, 101), (1795467467, 9586)),
+          sometimes=True),
     Known("D27-frame-not-recomputed-for-checkpointed-calls",
           "a non-reentrant checkpoint frame, checkpointed calls, and backward(inputs=...) / "
           "autograd.grad that needs only them: the runtime's checkpointed calls recompute "

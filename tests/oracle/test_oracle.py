@@ -121,4 +121,6 @@ def test_known_divergence_still_present(known: Known, request: pytest.FixtureReq
     candidates += [c for c in _sample(request.config) if known.applies(c)]
     showing = [(c.seed, c.index) for c in candidates
                if (d := _divergence(c)) is not None and known.matches(c, d)]
+    if not showing and known.sometimes:
+        pytest.xfail(f"{known.name} did not show in this run (it shows in some runs only)")
     assert not showing, f"{known.name} still shows in {len(showing)} cases: {showing[:20]}"
