@@ -158,3 +158,89 @@ def bits_equal(a: Any, b: Any) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
         a.detach().contiguous().reshape(-1).view(torch.uint8),
         b.detach().contiguous().reshape(-1).view(torch.uint8))
+
+
+# -- a collector without RPC (moe_autograd.collect): calls it starts together and
+# -- completes from a thread of its own (tests/test_collect.py, tests/test_parallel.py)
+
+from typing import Optional  # noqa: E402
+
+from moe_autograd.collect import Complete  # noqa: E402
+from moe_autograd.module_call import ModuleCall  # noqa: E402
+
+
+class Collector:
+    """A collector (moe_autograd.collect) without RPC: completes the calls it
+    is given from a thread of its own: y = x * scale, dx = g * scale."""
+
+    def __init__(self) -> None:
+        self.starts: List[str] = []
+        self.deadlines: List[Optional[float]] = []
+        self.fail_start = False
+
+    def _later(self, fn: Callable[[], None]) -> None:
+        threading.Thread(target=fn, daemon=True).start()
+
+    def start_calls(self, calls: Sequence[Any], complete: Complete,
+                    deadline: Optional[float] = None) -> None:
+        self.starts.append("forward")
+        self.deadlines.append(deadline)
+        if self.fail_start:
+            raise RuntimeError("the collector broke")
+
+        def run() -> None:
+            for k, call in enumerate(calls):
+                try:
+                    call.finish_forward()
+                except Exception as error:  # noqa: BLE001
+                    complete(k, None, error)
+                    continue
+                complete(k, call, None)
+        self._later(run)
+
+    def start_applies(self, func: Any, args: Any, complete: Complete) -> None:
+        raise NotImplementedError
+
+    def start_backwards(self, calls: Sequence[Any], grads: Sequence[Any], complete: Complete,
+                        deadline: Optional[float] = None) -> None:
+        self.starts.append("backward")
+
+        def run() -> None:
+            for k, (call, g) in enumerate(zip(calls, grads)):
+                complete(k, [g[0] * call.module.scale], None)
+        self._later(run)
+
+
+COLLECTOR = Collector()
+
+
+class CollectedCall(ModuleCall):
+    collector: Any = COLLECTOR
+
+    def finish_forward(self) -> None:
+        x = self._leaves[0]
+        if not torch.isfinite(x).all():
+            raise ValueError(f"{self.name}: non-finite input")
+        out = (x * self.module.scale).detach()
+        self.outputs = [out]
+        self._out_leaves, self._out_spec = [out], torch.utils._pytree.tree_flatten(out)[1]
+        if self.validate is not None:
+            self.validate(self)
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and bool(self.inputs)
+
+    def prepare(self) -> None:
+        pass  # no parameters here
+
+
+class Scaled(nn.Module):
+    moe_call_type = CollectedCall
+
+    def __init__(self, scale: float) -> None:
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, x: Tensor) -> Tensor:  # where it runs here (checkpointed)
+        return x * self.scale

@@ -230,3 +230,25 @@ def test_retain_grad_inside_the_forward_on_a_root_nothing_in_the_call_consumes(
     got, want = run(True), run(False)
     assert got[0] and got[2] and got[1] is not None and got[3] is not None
     assert _equal([got[1], got[3], got[4]], [want[1], want[3], want[4]])
+
+
+class _ReturnsItsInputFirst(nn.Module):
+    """The input itself, then g and h = sin(g): the node's roots are g and h,
+    at positions 1 and 2 of the result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(3, 3)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        g = self.fc(x)
+        return x, g, g.sin()
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_a_kept_output_is_named_by_its_place_in_the_result(mode: str) -> None:
+    x = torch.randn(2, 3, requires_grad=True)
+    _, g, h = parallel_apply([_ReturnsItsInputFirst()], [x], mode=mode)[0]
+    with pytest.raises(RuntimeError, match=r"^parallel_apply: call 0 of 1: the gradient of "
+                                           r"output 1, which the call computes further from"):
+        torch.autograd.grad(h.sum() + g.sum(), [g])

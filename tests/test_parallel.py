@@ -974,3 +974,523 @@ def test_a_calls_gradient_node_runs_on_its_devices_engine_thread():
     assert _engine_device([((2,), DT, cpu), ((3,), DT, cpu)]) == cpu
     assert _engine_device([((2,), DT, cpu), ((1,), DT, meta),
                            ((1,), DT, torch.device("cuda", 1))]) == meta
+
+
+# -- start_calls / finish_calls, the two halves the MoE layer uses: what each
+# -- argument reaches, and the inline mode's own loop ----------------------------
+
+from moe_autograd.executor import CallCancelled  # noqa: E402
+from moe_autograd.parallel import finish_calls, start_calls  # noqa: E402
+from moe_autograd.policy import Decision, Measure, execution_stats  # noqa: E402
+from moe_autograd.module_call import ModuleCall  # noqa: E402
+from helpers import COLLECTOR, CollectedCall, Scaled  # noqa: E402
+
+
+def _joined(calls, group):
+    assert group.wait(30.0)
+    group.raise_first_error("call")
+    return calls
+
+
+def test_start_calls_defaults_name_the_calls_and_neither_checkpoint_nor_check():
+    x = randn(3, 4, seed=1)
+    calls = _joined(*start_calls([Expert(seed=0), Expert(seed=1)], [x, x]))
+    assert [c.name for c in calls] == ["parallel_apply: call 0 of 2", "parallel_apply: call 1 of 2"]
+    assert [(c.checkpoint, c.check_finite_grads) for c in calls] == [(False, False)] * 2
+    calls = _joined(*start_calls([Expert(seed=0), Expert(seed=1)], [x, x], name="MyLayer",
+                                 labels=["expert 3", "expert 5"]))
+    assert [c.name for c in calls] == ["MyLayer: expert 3", "MyLayer: expert 5"]
+
+
+def test_start_calls_refusals_name_the_caller():
+    x = randn(3, 4, seed=1)
+    experts = [Expert(seed=0), Expert(seed=1)]
+    with pytest.raises(ValueError, match=r"^MyLayer: 2 modules but 1 inputs$"):
+        start_calls(experts, [x], name="MyLayer")
+    with pytest.raises(ValueError, match=r"^MyLayer: 2 modules but 3 kwargs$"):
+        start_calls(experts, [x, x], [{}, {}, {}], name="MyLayer")
+    with pytest.raises(ValueError, match=r"^parallel_apply: checkpoint has 1 entries for 2 calls$"):
+        start_calls(experts, [x, x], checkpoint=[True])
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
+        with pytest.raises(RuntimeError, match=r"^MyLayer does not support forward-mode AD"):
+            start_calls(experts, [dual, dual], name="MyLayer")
+
+
+def test_start_calls_passes_kwargs_and_finish_calls_equals_the_loop():
+    x = randn(3, 4, seed=1)
+    scales = [torch.tensor(2.0, dtype=DT), torch.tensor(-1.5, dtype=DT)]
+    experts = [Expert(seed=0), Expert(seed=1)]
+    ref = [m(x, scale=s) for m, s in zip(experts, scales)]
+    calls = _joined(*start_calls(experts, [x, x], [{"scale": s} for s in scales]))
+    for got, want in zip(finish_calls(calls), ref):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class _Draws(nn.Module):
+    """Draws from the generator it is given (one for all experts here)."""
+
+    def __init__(self, gen):
+        super().__init__()
+        self.gen = gen
+
+    def forward(self, x):
+        self.thread = threading.get_ident()
+        return x + torch.randn(x.shape, dtype=x.dtype, generator=self.gen)
+
+
+def test_one_lane_runs_every_call_on_one_thread_so_a_shared_generator_is_the_loops():
+    """``lanes=1``: the calls run one after another on one thread, in call
+    order, so experts that share an explicit generator draw as the loop does;
+    with two lanes the same batch is refused (its draws would interleave)."""
+    x = torch.zeros(3, dtype=DT)
+    gen = torch.Generator().manual_seed(7)
+    experts = [_Draws(gen), _Draws(gen), _Draws(gen)]
+    gen.manual_seed(7)
+    want = [m(x) for m in experts]
+    gen.manual_seed(7)
+    calls = _joined(*start_calls(experts, [x, x, x], lanes=1))
+    assert len({m.thread for m in experts}) == 1
+    for got, w in zip(finish_calls(calls), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    calls, group = start_calls(experts, [x, x, x], lanes=2)
+    group.wait(30.0)
+    with pytest.raises(RuntimeError, match="draw from the same torch.Generator"):
+        group.raise_first_error("call")
+    # One lane: call 0 waits in vain for call 1, which starts only after it.
+    started, seen = threading.Event(), []
+    waits = [_Signals(lambda: seen.append(started.wait(0.5))), _Signals(started.set)]
+    _joined(*start_calls(waits, [x, x], lanes=1))
+    assert seen == [False]
+
+
+class _Signals(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.act = act
+
+    def forward(self, x):
+        self.act()
+        return x
+
+
+def test_start_calls_hands_collected_calls_to_their_collector_with_the_deadline_and_measure():
+    """A collected expert (its own record type) goes to its collector, with
+    the caller's deadline, and is timed by the caller's measure; a
+    checkpointed one is a plain call (recomputation runs here)."""
+    COLLECTOR.deadlines.clear()
+    x = torch.randn(2, 3)
+    measure = Measure("test", 2, Decision("parallel", 2, "forced"))
+    calls = _joined(*start_calls([Scaled(2.0), nn.Identity()], [x, x], deadline=1.5,
+                                 measure=measure))
+    assert COLLECTOR.deadlines == [1.5]
+    assert type(calls[0]) is CollectedCall and type(calls[1]) is ModuleCall
+    assert measure.walls[0] > 0.0
+    torch.testing.assert_close(finish_calls(calls)[0], 2 * x)
+    calls = _joined(*start_calls([Scaled(2.0), nn.Identity()], [x, x], checkpoint=[True, False]))
+    assert type(calls[0]) is ModuleCall and COLLECTOR.deadlines == [1.5]
+
+
+class _Steps(nn.Module):
+    """One module for every call (its state is shared): a call interrupts,
+    or fails, as its keyword says."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("count", torch.zeros((), dtype=DT))
+        self.ran = []
+
+    def forward(self, x, i, fail=None, meet=None):
+        if meet is not None:
+            meet.wait()
+        if fail is not None:
+            raise fail
+        self.count += 1
+        self.ran.append(i)
+        return x * self.count
+
+
+class _Meets(nn.Module):
+    def forward(self, x, meet):
+        meet.wait()
+        return x
+
+
+@pytest.mark.timeout(30)
+def test_an_interruption_stops_the_later_calls_reaching_the_same_module():
+    """As a loop stops at a KeyboardInterrupt: the calls after it that reach
+    the same module do not run, each cancelled naming what stopped it; an
+    ordinary error fails its own call only (the MoE layer masks it). Call 0
+    raises once call 3 runs: the calls before 3 have started (a worker each,
+    taken in order), waiting for the call before them."""
+    m = _Steps()
+    x = torch.ones(2, dtype=DT)
+    meet = threading.Barrier(2, timeout=10)
+    calls, group = start_calls([m, m, m, _Meets()], [x] * 4,
+                               [{"i": 0, "fail": KeyboardInterrupt(), "meet": meet}, {"i": 1},
+                                {"i": 2}, {"meet": meet}])
+    group.wait(30.0)
+    assert isinstance(group.errors[0], KeyboardInterrupt) and group.succeeded(3)
+    for i, stop in [(1, "KeyboardInterrupt"), (2, "CallCancelled")]:
+        assert isinstance(group.errors[i], CallCancelled) and str(group.errors[i]) == (
+            f"parallel_apply: call {i} of 4: not run: an earlier call reaching the same module "
+            f"raised {stop}")
+    assert m.ran == [] and m.count.item() == 0
+
+    m = _Steps()
+    calls, group = start_calls([m, m, m], [x] * 3,
+                               [{"i": 0}, {"i": 1, "fail": ValueError("bad")}, {"i": 2}])
+    group.wait(30.0)
+    assert isinstance(group.errors[1], ValueError)
+    assert group.succeeded(0) and group.succeeded(2) and m.ran == [0, 2]
+
+
+class _Dropout(nn.Module):
+    def forward(self, x, scale=1.0):
+        return nn.functional.dropout(x, 0.5, training=True) * scale
+
+
+def test_inline_mode_draws_from_each_calls_own_stream_and_passes_kwargs():
+    """The inline mode is the loop with the batch's random streams: the same
+    draws as every other mode (each call its own stream, forked in call
+    order), the keyword arguments passed, and its batch measured."""
+    x = torch.ones(64, dtype=DT)
+    experts = [_Dropout(), _Dropout(), _Dropout()]
+    kwargs = [{"scale": 1.0}, {"scale": 2.0}, {"scale": 3.0}]
+    outs = {}
+    for mode in ["inline", "parallel"]:
+        torch.manual_seed(5)
+        outs[mode] = parallel_apply(experts, [x, x, x], kwargs, mode=mode)
+        outs[mode].append(torch.rand(()))  # the generator after the batch
+    for a, b in zip(outs["inline"], outs["parallel"]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(outs["inline"][0], outs["inline"][1] / 2)  # distinct streams
+    assert set(outs["inline"][2].unique().tolist()) == {0.0, 6.0}
+
+
+@pytest.mark.timeout(30)
+def test_under_no_grad_autocast_does_not_serialize_the_calls():
+    """Autocast's weight cache makes calls that record gradients run as the
+    loop; with no gradients recorded (no_grad) the calls still fan out: two
+    experts meet at a barrier."""
+    barrier = threading.Barrier(2, timeout=10)
+
+    class Meets(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            barrier.wait()
+            return self.lin(x)
+
+    x = torch.randn(2, 4)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = parallel_apply([Meets(), Meets()], [x, x], mode="parallel")
+    assert [o.dtype for o in outs] == [torch.bfloat16] * 2
+
+
+@pytest.mark.timeout(60)
+def test_an_expert_that_enables_grad_under_no_grad_gets_the_loops_graph():
+    """Its outputs have a graph, as in the loop, carried by the node: the
+    calls' backwards still overlap (they meet at a barrier)."""
+    barrier = threading.Barrier(2, timeout=10)
+
+    class Enables(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4).to(DT)
+
+        def forward(self, x):
+            with torch.enable_grad():
+                return BackwardBarrier.apply(self.lin(x), barrier)
+
+    experts = [Enables(), Enables()]
+    x = randn(2, 4, seed=3, requires_grad=False)
+    with torch.no_grad():
+        outs = parallel_apply(experts, [x, x], mode="parallel")
+    want = [m.lin(x) for m in experts]
+    assert [o.requires_grad for o in outs] == [True, True]
+    got = torch.autograd.grad(sum(o.sum() for o in outs), params_of(experts))
+    ref = torch.autograd.grad(sum(o.sum() for o in want), params_of(experts))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_an_inline_batch_that_auto_mode_picked_is_measured(monkeypatch):
+    """Auto mode learns from its inline batches too: each call is timed."""
+    import moe_autograd.parallel as parallel_module
+    from moe_autograd import policy
+
+    class _TinyForTimes(nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    monkeypatch.setattr(parallel_module, "choose",
+                        lambda site, n, mode, modules: Decision("inline", 1, "tiny calls"))
+    experts = [_TinyForTimes(), _TinyForTimes()]
+    x = torch.ones(3)
+    try:
+        parallel_apply(experts, [x, x])
+        stats = next(s for s in execution_stats() if "_TinyForTimes" in s["site"])
+        assert stats["batches"] == {"inline": 1} and stats["wall_per_call_us"] > 0, stats
+    finally:
+        policy._forget(policy.site_of(experts))
+
+
+class _RecordsThreads(nn.Module):
+    """Records the thread of each forward and of its backward."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.lin = Expert(seed=seed)
+        self.forwards, self.backwards = [], []
+
+    def forward(self, x):
+        self.forwards.append(threading.get_ident())
+        return _BackwardThread.apply(self.lin(x), self.backwards)
+
+
+class _BackwardThread(Function):
+    @staticmethod
+    def forward(ctx, x, threads):
+        ctx.threads = threads
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.threads.append(threading.get_ident())
+        return g, None
+
+
+@pytest.mark.timeout(60)
+def test_in_lanes_a_checkpointed_call_recomputes_on_the_lane_that_runs_its_backward():
+    """Within the cores, a lane recomputes its call where its backward then
+    runs (queued on other workers, recomputations would crowd the cores)."""
+    experts = [_RecordsThreads(seed) for seed in range(4)]
+    x = randn(3, 4, seed=2)
+    outs = parallel_apply(experts, [x] * 4, checkpoint=True, mode="lanes")
+    sum(o.sum() for o in outs).backward()
+    for m in experts:
+        assert len(m.forwards) == 2 and len(m.backwards) == 1
+        assert m.forwards[1] == m.backwards[0]
+
+
+def test_a_result_hiding_tensors_in_a_plain_object_is_refused_naming_the_call():
+    """Outputs are followed through pytrees only: an object (not a pytree)
+    that holds tensors, directly or a few objects deep, is refused; one
+    holding no tensor (even one that refers to itself) passes as it is."""
+    import types
+
+    class Holds(nn.Module):
+        def __init__(self, wrap):
+            super().__init__()
+            self.wrap = wrap
+
+        def forward(self, x):
+            return self.wrap(x * 2)
+
+    def cycle(x):
+        o = types.SimpleNamespace(n=3, name="plain")
+        o.me = o
+        return x, o
+
+    x = randn(2, 3, seed=0)
+    for wrap in [lambda y: types.SimpleNamespace(out=y),
+                 lambda y: types.SimpleNamespace(inner=types.SimpleNamespace(items=[y]))]:
+        with pytest.raises(TypeError) as info:
+            parallel_apply([nn.Identity(), Holds(wrap)], [x, x], mode="parallel")
+        assert str(info.value).startswith(
+            "parallel_apply: call 1 of 2: the expert returned a SimpleNamespace holding tensors; "
+            "outputs are followed through pytrees only")
+    y, o = parallel_apply([Holds(cycle)], [x], mode="parallel")[0]
+    assert o.me is o and o.n == 3 and torch.equal(y, x * 2)
+    marker = object()  # no __dict__ at all
+    y, o = parallel_apply([Holds(lambda y: (y, marker))], [x], mode="parallel")[0]
+    assert o is marker
+
+
+def test_under_a_torch_func_transform_the_calls_draw_as_the_loop():
+    """Under ``torch.func.grad`` the calls run as the loop, drawing from the
+    global generator in call order (not from streams of their own)."""
+    experts = [_Dropout(), _Dropout()]
+    x = torch.ones(32, dtype=DT)
+
+    def batch(x):
+        return sum((o * o).sum() for o in parallel_apply(experts, [x, x], mode="parallel"))
+
+    def loop(x):
+        return sum((o * o).sum() for o in [m(x) for m in experts])
+
+    torch.manual_seed(3)
+    got = torch.func.grad(batch)(x)
+    torch.manual_seed(3)
+    want = torch.func.grad(loop)(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_backward_through_a_stashed_tensor_is_refused_after_the_calls_own_backward():
+    """The call's input guard lets its own backward through, and only that:
+    once the call's backward is over, a backward reaching its graph through
+    a tensor the expert stashed in a list raises, naming the call."""
+    class Stashes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4).to(DT)
+            self.aux = []
+
+        def forward(self, x):
+            y = self.fc(x)
+            self.aux = [y * 2]
+            return y
+
+    m = Stashes()
+    x = randn(3, 4, seed=4)
+    y = parallel_apply([nn.Identity(), m], [x, x], mode="parallel")[1]
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError) as info:
+        m.aux[0].sum().backward()
+    assert str(info.value) == (
+        "parallel_apply: call 1 of 2: a backward reached this call's graph other than through "
+        "its outputs (a tensor the expert left somewhere other than its result or a plain tensor "
+        "attribute of its module: a list, a closure, a global); the gradient for the call's "
+        "input would be lost. Return that tensor from the expert instead")
+
+
+def test_torch_checkpoint_with_use_reentrant_inside_an_expert_is_refused_naming_the_call():
+    class Reentrant(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4).to(DT)
+
+        def forward(self, x):
+            return torch.utils.checkpoint.checkpoint(self.fc, x, use_reentrant=True)
+
+    x = randn(3, 4, seed=5)
+    outs = parallel_apply([Reentrant(), Expert()], [x, x], mode="parallel")
+    with pytest.raises(RuntimeError) as info:
+        sum(o.sum() for o in outs).backward()
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 2: the expert uses torch.utils.checkpoint(use_reentrant=True), "
+        "which cannot run inside a parallel call's backward (each call's backward is a "
+        "torch.autograd.grad); use use_reentrant=False, or parallel_apply(..., checkpoint=True)")
+
+
+def test_requires_grad_flipped_on_an_input_a_later_call_receives_is_refused_word_for_word():
+    class Flips(nn.Module):
+        def forward(self, x):
+            x.requires_grad_()
+            return x * 2
+
+    x = torch.ones(3, dtype=DT)
+    calls = _joined(*start_calls([Flips(), nn.Identity()], [x, x], name="layer 2: moe",
+                                 labels=["expert 0", "expert 1"]))
+    with pytest.raises(RuntimeError) as info:
+        finish_calls(calls)
+    assert str(info.value) == (
+        "layer 2: moe: expert 0: the expert called requires_grad_() on an input that expert 1 "
+        "also receives; that call started before and does not track it (the loop's would): "
+        "pass the tensor requiring grad")
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_an_expert_returning_its_own_weight_gets_the_loops_gradients(mode):
+    """An output that is a leaf itself (the expert returns a parameter) is one
+    of the call's parameters: its gradient is the loop's."""
+    class ReturnsWeight(nn.Module):
+        def __init__(self, seed):
+            super().__init__()
+            self.w = nn.Parameter(randn(4, 4, seed=seed, requires_grad=False))
+            self.b = nn.Parameter(randn(4, seed=seed + 1, requires_grad=False))
+
+        def forward(self, x):
+            return x @ self.w, self.b
+
+    experts = [ReturnsWeight(0), ReturnsWeight(2)]
+    x = randn(3, 4, seed=9)
+    outs = parallel_apply(experts, [x, x], mode=mode)
+    got = torch.autograd.grad(weighted_loss(outs), [x] + params_of(experts))
+    want = torch.autograd.grad(weighted_loss([m(x) for m in experts]), [x] + params_of(experts))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _ReturnsEveryKind(nn.Module):
+    """A result with every kind of tensor the node rebuilds: an internal
+    tensor, its view, that view again (one object twice), the input, a view
+    of the input, a parameter and a view of it."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.w = nn.Parameter(randn(4, 4, seed=seed, requires_grad=False))
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w)
+        v = h.view(-1)
+        return h, v, v, x, x[:2], self.w, self.w[1:]
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_a_result_of_every_kind_is_rebuilt_as_the_loop_returns_it(mode):
+    experts = [_ReturnsEveryKind(0), _ReturnsEveryKind(1)]
+    x = randn(3, 4, seed=6)
+    outs = parallel_apply(experts, [x, x], mode=mode)
+    want = [m(x) for m in experts]
+    for got, ref in zip(outs, want):
+        assert got[1] is got[2] and got[3] is x and got[5] is ref[5]
+        assert got[1]._base is got[0] and got[4]._base is x and got[6]._base is ref[5]
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    got = torch.autograd.grad(weighted_loss(outs), [x] + params_of(experts))
+    ref = torch.autograd.grad(weighted_loss(want), [x] + params_of(experts))
+    # x's gradient: the term of the returned view of x comes first (D12, last bits).
+    torch.testing.assert_close(got[0], ref[0], rtol=1e-14, atol=1e-14)
+    for a, b in zip(got[1:], ref[1:]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_check_finite_grads_names_the_call_whose_gradient_is_not_finite():
+    class Sqrt(nn.Module):
+        def forward(self, x):
+            return torch.sqrt(x)  # an infinite gradient at 0
+
+    x = torch.tensor([0.0, 1.0], dtype=DT, requires_grad=True)
+    calls = _joined(*start_calls([nn.Identity(), Sqrt()], [x, x], check_finite_grads=True,
+                                 labels=["expert 0", "expert 1"]))
+    outs = finish_calls(calls)
+    with pytest.raises(FloatingPointError) as info:
+        sum(o.sum() for o in outs).backward()
+    assert str(info.value) == "parallel_apply: expert 1: non-finite gradient"
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_a_checkpointed_call_that_draws_nothing_leaves_the_generator_as_the_loop(mode):
+    experts = [Expert(seed=0), Expert(seed=1)]
+    x = randn(3, 4, seed=8)
+    torch.manual_seed(11)
+    sum(o.sum() for o in parallel_apply(experts, [x, x], checkpoint=True, mode=mode)).backward()
+    after = torch.rand(4)
+    torch.manual_seed(11)
+    sum(m(x).sum() for m in experts).backward()
+    assert torch.equal(after, torch.rand(4))
+
+
+def test_arguments_that_are_not_tensors_or_do_not_require_grad_pass_as_the_loops():
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4).to(DT)
+
+        def forward(self, x, n, c):
+            return self.fc(x) * n + c
+
+    experts = [Mixed(), Mixed()]
+    x, c = randn(2, 4, seed=1), randn(4, seed=2, requires_grad=False)
+    outs = parallel_apply(experts, [(x, 3, c), (x, 2, c)], mode="parallel")
+    want = [m(x, n, c) for m, n in zip(experts, [3, 2])]
+    got = torch.autograd.grad(weighted_loss(outs), [x] + params_of(experts))
+    ref = torch.autograd.grad(weighted_loss(want), [x] + params_of(experts))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not c.requires_grad

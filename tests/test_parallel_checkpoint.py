@@ -632,3 +632,98 @@ def test_a_batch_within_the_cores_recomputes_on_its_lanes(mode: str) -> None:
     sum(o.sum() for o in outs).backward()
     lanes = 1 if mode == "inline" else policy._lanes_for(8)
     assert len(threads) == 8 and len(set(threads)) <= lanes, threads
+
+
+# -- what a checkpointed call refuses to recompute, word for word, and the state
+# -- its recomputation runs in -------------------------------------------------
+
+_CHANGED = ("parallel_apply: call 0 of 1: {what} of the checkpointed call was modified in place "
+            "after the call; its recomputation would see other values (as a tensor autograd "
+            "saved for backward, it must not change before the backward)")
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_an_input_or_parameter_changed_before_the_recomputation_is_refused(mode: str) -> None:
+    expert = Expert(dtype=torch.float64)
+    x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
+    h = x * 1.0
+    y = parallel_apply([expert], [h], checkpoint=True, mode=mode)[0]
+    with torch.no_grad():
+        h.add_(1.0)
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == _CHANGED.format(what="an input")
+
+    y = parallel_apply([expert], [x], checkpoint=True, mode=mode)[0]
+    with torch.no_grad():
+        expert.fc1.weight.add_(1.0)  # as an optimizer step would
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == _CHANGED.format(
+        what="a parameter (an optimizer step before the backward?)")
+
+
+class _Changes(nn.Module):
+    """Not deterministic given its inputs: what it returns (a view of its
+    result, or another leaf's product) depends on a flag set between its
+    forward and its recomputation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D, dtype=torch.float64)
+        self.other: Optional[Tensor] = None
+        self.view = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.fc(x)
+        if self.other is not None:
+            y = y * self.other
+        return y.view(-1) if self.view else y.reshape(-1).clone()
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_a_recomputation_that_differs_from_its_forward_is_refused(mode: str) -> None:
+    x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
+    expert = _Changes()
+    y = parallel_apply([expert], [x], checkpoint=True, mode=mode)[0]
+    expert.other = torch.ones(D, dtype=torch.float64, requires_grad=True)  # a new leaf
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the checkpointed call's recomputation differentiates into "
+        "1 tensor(s) that its forward did not reach (neither its inputs nor leaves of its "
+        "forward's graph): the expert is not deterministic given its inputs, module state and "
+        "random stream, so it cannot be recomputed")
+
+    expert = _Changes()
+    y = parallel_apply([expert], [x], checkpoint=True, mode=mode)[0]
+    expert.view = False
+    with pytest.raises(RuntimeError) as info:
+        y.sum().backward()
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the recomputation returned a tensor that is not a view "
+        "where the forward returned a view (output 0)")
+
+
+@pytest.mark.parametrize("mode", ["lanes", "parallel"])
+def test_a_recomputation_runs_in_its_forwards_state_not_the_backwards(mode: str) -> None:
+    """Under the forward's autocast (its cache off: calls then fan out), and
+    in the default state when the forward ran there, even where the backward
+    runs inside an autocast: the gradients are the loop's."""
+    torch.manual_seed(0)
+    experts = [Expert(), Expert()]
+    xs = [torch.randn(3, D, requires_grad=True) for _ in experts]
+
+    def grads(outs: List[Tensor], under_autocast: bool) -> List[Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=under_autocast):
+            return list(torch.autograd.grad(sum(o.float().sum() for o in outs),
+                                            xs + [p for e in experts for p in e.parameters()]))
+
+    for forward_autocast, backward_autocast in [(True, False), (False, True)]:
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False,
+                            enabled=forward_autocast):
+            want = [e(x) for e, x in zip(experts, xs)]
+            got = parallel_apply(experts, xs, checkpoint=True, mode=mode)
+        assert [o.dtype for o in got] == [o.dtype for o in want]
+        for a, b in zip(grads(got, backward_autocast), grads(want, backward_autocast)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
