@@ -3,7 +3,7 @@ import gc
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -162,8 +162,6 @@ def bits_equal(a: Any, b: Any) -> bool:
 
 # -- a collector without RPC (moe_autograd.collect): calls it starts together and
 # -- completes from a thread of its own (tests/test_collect.py, tests/test_parallel.py)
-
-from typing import Optional  # noqa: E402
 
 from moe_autograd.collect import Complete  # noqa: E402
 from moe_autograd.module_call import ModuleCall  # noqa: E402

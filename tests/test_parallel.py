@@ -5,6 +5,7 @@ import functools
 import json
 import threading
 import time
+import types
 import weakref
 
 import pytest
@@ -12,9 +13,15 @@ import torch
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from moe_autograd import map_with_parallel_backward, parallel_apply
-from moe_autograd.executor import DEFAULT_WORKERS
-from helpers import BackwardBarrier, Square, params_of, run_threads
+import torch.autograd.forward_ad as fwAD
+import moe_autograd.parallel as parallel_module
+from moe_autograd import map_with_parallel_backward, parallel_apply, policy
+from moe_autograd.executor import DEFAULT_WORKERS, CallCancelled
+from moe_autograd.module_call import ModuleCall
+from moe_autograd.parallel import finish_calls, start_calls
+from moe_autograd.policy import Decision, Measure, execution_stats
+from helpers import (COLLECTOR, BackwardBarrier, CollectedCall, Scaled, Square, params_of,
+                     run_threads)
 
 DT = torch.float64
 
@@ -979,11 +986,6 @@ def test_a_calls_gradient_node_runs_on_its_devices_engine_thread():
 # -- start_calls / finish_calls, the two halves the MoE layer uses: what each
 # -- argument reaches, and the inline mode's own loop ----------------------------
 
-from moe_autograd.executor import CallCancelled  # noqa: E402
-from moe_autograd.parallel import finish_calls, start_calls  # noqa: E402
-from moe_autograd.policy import Decision, Measure, execution_stats  # noqa: E402
-from moe_autograd.module_call import ModuleCall  # noqa: E402
-from helpers import COLLECTOR, CollectedCall, Scaled  # noqa: E402
 
 
 def _joined(calls, group):
@@ -1011,7 +1013,6 @@ def test_start_calls_refusals_name_the_caller():
         start_calls(experts, [x, x], [{}, {}, {}], name="MyLayer")
     with pytest.raises(ValueError, match=r"^parallel_apply: checkpoint has 1 entries for 2 calls$"):
         start_calls(experts, [x, x], checkpoint=[True])
-    import torch.autograd.forward_ad as fwAD
     with fwAD.dual_level():
         dual = fwAD.make_dual(x.detach(), torch.ones_like(x))
         with pytest.raises(RuntimeError, match=r"^MyLayer does not support forward-mode AD"):
@@ -1154,7 +1155,7 @@ class _Dropout(nn.Module):
 def test_inline_mode_draws_from_each_calls_own_stream_and_passes_kwargs():
     """The inline mode is the loop with the batch's random streams: the same
     draws as every other mode (each call its own stream, forked in call
-    order), the keyword arguments passed, and its batch measured."""
+    order), and the keyword arguments passed."""
     x = torch.ones(64, dtype=DT)
     experts = [_Dropout(), _Dropout(), _Dropout()]
     kwargs = [{"scale": 1.0}, {"scale": 2.0}, {"scale": 3.0}]
@@ -1220,9 +1221,6 @@ def test_an_expert_that_enables_grad_under_no_grad_gets_the_loops_graph():
 
 def test_an_inline_batch_that_auto_mode_picked_is_measured(monkeypatch):
     """Auto mode learns from its inline batches too: each call is timed."""
-    import moe_autograd.parallel as parallel_module
-    from moe_autograd import policy
-
     class _TinyForTimes(nn.Module):
         def forward(self, x):
             return x * 2
@@ -1281,8 +1279,6 @@ def test_a_result_hiding_tensors_in_a_plain_object_is_refused_naming_the_call():
     """Outputs are followed through pytrees only: an object (not a pytree)
     that holds tensors, directly or a few objects deep, is refused; one
     holding no tensor (even one that refers to itself) passes as it is."""
-    import types
-
     class Holds(nn.Module):
         def __init__(self, wrap):
             super().__init__()
