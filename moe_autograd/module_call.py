@@ -416,7 +416,8 @@ class ModuleCall(IsolatedCall):
                     "loop starts tracking it: pass it requiring grad, or call this expert "
                     "with checkpoint=False")
         else:
-            first = _next_sequence_nr() if torch.is_grad_enabled() else None
+            # Under no_grad too: an expert may enable grad itself.
+            first = _next_sequence_nr()
             with self.rng.activate():
                 result = self._call()
             last = _next_sequence_nr() if first is not None else None

@@ -15,7 +15,7 @@ from torch.autograd import Function
 
 import torch.autograd.forward_ad as fwAD
 import moe_autograd.parallel as parallel_module
-from moe_autograd import map_with_parallel_backward, parallel_apply, policy
+from moe_autograd import ForeignGraphError, map_with_parallel_backward, parallel_apply, policy
 from moe_autograd.executor import DEFAULT_WORKERS, CallCancelled
 from moe_autograd.module_call import ModuleCall
 from moe_autograd.parallel import finish_calls, start_calls
@@ -488,6 +488,44 @@ def test_a_stateful_submodule_shared_by_distinct_experts_updates_in_call_order(m
         assert all(torch.equal(a, b) for a, b in zip(got[0], want[0]))
 
 
+class Overlaps(nn.Module):
+    """Records whether a second call entered its forward while the first was
+    still inside: the first waits up to ``patience`` s for one to come."""
+
+    def __init__(self, patience: float):
+        super().__init__()
+        self.patience, self.inside, self.overlapped = patience, 0, False
+        self.lock, self.second = threading.Lock(), threading.Event()
+
+    def forward(self, x):
+        with self.lock:
+            self.inside += 1
+            first = self.inside == 1
+            if not first:
+                self.overlapped = True
+                self.second.set()
+        if first:
+            self.second.wait(self.patience)
+        with self.lock:
+            self.inside -= 1
+        return x * 2
+
+
+@pytest.mark.timeout(60)
+def test_a_stateful_first_child_shared_by_distinct_experts_orders_the_calls(fresh_pool):
+    """The ordering looks at every submodule, the first child too: distinct
+    experts whose one shared stateful module is their first child never run
+    it at once. (Correct code cannot overlap; the first call waits 1 s for a
+    second to come in, which is how a missed ordering shows.)"""
+    fresh_pool(4)
+    shared = Overlaps(patience=1.0)
+    experts = [nn.Sequential(shared, nn.Linear(4, 4).to(DT)) for _ in range(2)]
+    outs = parallel_apply(experts, [randn(2, 4, seed=i) for i in range(2)], mode="parallel")
+    assert not shared.overlapped
+    assert all(torch.equal(o, e(x)) for o, e, x in zip(
+        outs, experts, [randn(2, 4, seed=i) for i in range(2)]))
+
+
 @pytest.mark.timeout(60)
 def test_experts_sharing_only_modules_that_compute_still_overlap(fresh_pool):
     """A torch.nn module without buffers or hooks (a tied Linear) orders
@@ -956,14 +994,22 @@ def test_thread_count_stable_over_many_calls(thread_guard):
     assert threading.active_count() <= before + pool.max_workers
 
 
-def test_closure_over_a_non_leaf_raises_and_over_a_leaf_is_a_parameter():
-    from moe_autograd import ForeignGraphError
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_closure_over_a_non_leaf_raises_and_over_a_leaf_is_a_parameter(checkpoint):
+    """Checkpointed or not, a call's graph that reaches into the caller's
+    through a closure is refused, naming the call and the node it met."""
     w = torch.randn(4, 4, dtype=DT, requires_grad=True)
     x = torch.randn(2, 4, dtype=DT, requires_grad=True)
     w2 = w.tanh()
-    with pytest.raises(ForeignGraphError, match="call 0 of 1.*pass that tensor as an input"):
-        parallel_apply([lambda a: a @ w2], [x])
-    (out,) = parallel_apply([lambda a: a @ w], [x])
+    with pytest.raises(ForeignGraphError) as info:
+        parallel_apply([lambda a: a @ w2], [x], checkpoint=checkpoint)
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the expert differentiates into its caller's graph through "
+        "a tensor it did not receive as an argument (a closure over a non-leaf tensor, reached "
+        "at TanhBackward0); pass that tensor as an input of the call")
+    with torch.no_grad(), pytest.raises(ForeignGraphError):  # an expert enabling grad itself
+        parallel_apply([lambda a: torch.enable_grad()(lambda: a @ w2)()], [x])
+    (out,) = parallel_apply([lambda a: a @ w], [x], checkpoint=checkpoint)
     out.sum().backward()
     want = x.detach().t() @ torch.ones(2, 4, dtype=DT)
     torch.testing.assert_close(w.grad, want)
@@ -1275,10 +1321,102 @@ def test_in_lanes_a_checkpointed_call_recomputes_on_the_lane_that_runs_its_backw
         assert m.forwards[1] == m.backwards[0]
 
 
+def test_an_expert_given_no_tensor_and_holding_none_runs_on_the_cpu():
+    """An expert without parameters, called without tensors (it builds its
+    output from plain arguments), runs as the loop; its call is on the CPU."""
+    class Ones(nn.Module):
+        def forward(self, n: int, scale: float = 1.0) -> Tensor:
+            return torch.ones(n) * scale
+
+    out = parallel_apply([Ones(), Ones()], [(2,), (3, 2.0)], mode="parallel")
+    assert [o.tolist() for o in out] == [[1.0, 1.0], [2.0, 2.0, 2.0]]
+    assert ModuleCall(Ones(), (2,), {}).device == torch.device("cpu")
+
+
+def test_an_expert_flipping_requires_grad_beside_plain_and_constant_arguments():
+    """An expert that calls requires_grad_() on one input, called with it, a
+    tensor that does not require grad and a float: only that input starts
+    requiring grad, as in the loop, and it gets the loop's gradient."""
+    class Flips(nn.Module):
+        def forward(self, x: Tensor, y: Tensor, scale: float) -> Tensor:
+            x.requires_grad_()
+            return (x * y * scale).sum()
+
+    x, y = randn(2, 3, seed=0, requires_grad=False), randn(2, 3, seed=1, requires_grad=False)
+    rx, ry = x.clone(), y.clone()
+    parallel_apply([Flips()], [(x, y, 2.0)], mode="parallel")[0].backward()
+    Flips()(rx, ry, 2.0).backward()
+    assert x.requires_grad and not y.requires_grad
+    assert torch.equal(x.grad, rx.grad) and y.grad is None
+
+
+def test_a_module_call_built_with_its_defaults_is_a_plain_call():
+    """The defaults a subclass (an expert's ``moe_call_type``) relies on:
+    not checkpointed, no finite check, named "call", index 0, a random
+    stream of its own (its forward runs without one given)."""
+    x = randn(2, 3, seed=0)
+    lin = nn.Linear(3, 3, dtype=DT)
+    call = ModuleCall(lin, (x,), {})
+    assert (call.checkpoint, call.check_finite_grads, call.name, call.index) == (
+        False, False, "call", 0)
+    call.forward()
+    assert torch.equal(call.outputs[0], lin(x))
+
+
+@pytest.mark.timeout(60)
+def test_two_backwards_running_through_one_call_at_once_both_get_their_gradients():
+    """Two threads differentiate one call's output (retain_graph) at once:
+    while one is still inside the call's backward, the other's finishing
+    does not make its gradient look like one that bypassed the call."""
+    barrier, done = threading.Barrier(2, timeout=20), threading.Event()
+
+    class Meets(Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            if barrier.wait() == 0:  # both are inside; this one leaves last
+                assert done.wait(20)
+            return g * 2
+
+    class Expert(nn.Module):
+        def forward(self, x):
+            return Meets.apply(x)
+
+    x = randn(3, seed=0)
+    (out,) = parallel_apply([Expert()], [x], mode="parallel")
+    grads = {}
+
+    def run(k):
+        try:
+            grads[k] = torch.autograd.grad(out.sum(), x, retain_graph=True)[0]
+        except Exception as error:  # noqa: BLE001 - compared below
+            grads[k] = error
+        done.set()
+    threads = [threading.Thread(target=run, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert [torch.equal(grads[k], torch.full_like(x, 2.0)) for k in range(2)] == [True, True], grads
+
+
+def test_a_calls_backward_after_its_release_is_refused_naming_it():
+    """The record's own refusal (the node refuses a second backward first)."""
+    call = ModuleCall(nn.Identity(), (randn(2, seed=0),), {}, name="layer 3: call 1 of 2")
+    call.release()
+    with pytest.raises(RuntimeError) as info:
+        call.backward([randn(2, seed=1)])
+    assert str(info.value) == "layer 3: call 1 of 2: backward after its graph was freed"
+
+
 def test_a_result_hiding_tensors_in_a_plain_object_is_refused_naming_the_call():
     """Outputs are followed through pytrees only: an object (not a pytree)
-    that holds tensors, directly or a few objects deep, is refused; one
-    holding no tensor (even one that refers to itself) passes as it is."""
+    that holds tensors, directly or up to three objects deep, is refused (the
+    search is bounded: deeper ones are not looked for); one holding no tensor
+    (even one that refers to itself) passes as it is."""
     class Holds(nn.Module):
         def __init__(self, wrap):
             super().__init__()
@@ -1297,9 +1435,17 @@ def test_a_result_hiding_tensors_in_a_plain_object_is_refused_naming_the_call():
                  lambda y: types.SimpleNamespace(inner=types.SimpleNamespace(items=[y]))]:
         with pytest.raises(TypeError) as info:
             parallel_apply([nn.Identity(), Holds(wrap)], [x, x], mode="parallel")
-        assert str(info.value).startswith(
+        assert str(info.value) == (
             "parallel_apply: call 1 of 2: the expert returned a SimpleNamespace holding tensors; "
-            "outputs are followed through pytrees only")
+            "outputs are followed through pytrees only (tuples, lists, dicts, namedtuples, types "
+            "registered with torch.utils._pytree, e.g. register_dataclass): register the type or "
+            "return its tensors in a tuple or dict")
+    # The search is bounded: three objects deep, no deeper.
+    three = types.SimpleNamespace(a=types.SimpleNamespace(b=types.SimpleNamespace(t=x)))
+    with pytest.raises(TypeError, match="holding tensors"):
+        parallel_apply([Holds(lambda y: (y, three))], [x], mode="parallel")
+    four = types.SimpleNamespace(a=three)
+    assert parallel_apply([Holds(lambda y: (y, four))], [x], mode="parallel")[0][1] is four
     y, o = parallel_apply([Holds(cycle)], [x], mode="parallel")[0]
     assert o.me is o and o.n == 3 and torch.equal(y, x * 2)
     marker = object()  # no __dict__ at all

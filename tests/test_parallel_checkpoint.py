@@ -531,6 +531,23 @@ def test_recompute_early_results_equal_without_it() -> None:
 
 
 @pytest.mark.timeout(60)
+def test_in_lanes_recompute_early_recomputes_each_call_once() -> None:
+    """In lanes a call recomputes in its backward, on its lane, unless
+    recompute_early queued it first: then it waits for that one, never runs
+    a second."""
+    torch.manual_seed(0)
+    log: List[str] = []
+    lock = threading.Lock()
+    experts = [Signalling(i, log, lock) for i in range(3)]
+    xs = [torch.randn(4, D, requires_grad=True) for _ in range(3)]
+    outs = parallel_apply(experts, xs, checkpoint=True, mode="lanes")
+    h = recompute_early(torch.stack(outs).sum(dim=0), outs)
+    h.square().sum().backward()
+    assert [e.recomputations for e in experts] == [1, 1, 1]
+    assert all(x.grad is not None for x in xs)
+
+
+@pytest.mark.timeout(60)
 def test_recompute_early_returns_trigger_when_nothing_to_recompute() -> None:
     _, _, _, head, _, _, outs = _early_setup(2, checkpoint=False)
     h = head(torch.cat(outs))

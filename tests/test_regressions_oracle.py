@@ -442,9 +442,12 @@ def test_requires_grad_inside_checkpointed_call(mode: str) -> None:
     (was D7b, silent: the recomputation tracked the input from the start)."""
     (mod,), _ = twins(LinearThenFlip)
     x = torch.randn(3, 4)
-    with pytest.raises(RuntimeError, match=r"call 0 of 1: the checkpointed expert called "
-                       r"requires_grad_\(\)"):
+    with pytest.raises(RuntimeError) as info:
         parallel_apply([mod], [x], checkpoint=True, mode=mode)
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the checkpointed expert called requires_grad_() on an "
+        "input that did not require grad; its recomputation cannot reproduce where the loop "
+        "starts tracking it: pass it requiring grad, or call this expert with checkpoint=False")
 
 
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
@@ -532,9 +535,12 @@ def test_checkpointed_expert_in_place_on_its_input_raises(mode: str) -> None:
     """A checkpointed expert that modifies its input in place: its recomputation
     would see other values, so the forward raises, naming the call and why."""
     x = torch.randn(3, 4, requires_grad=True) * 1.5
-    with pytest.raises(RuntimeError, match=r"call 0 of 1: the checkpointed expert modified in "
-                       r"place an input that requires grad"):
+    with pytest.raises(RuntimeError) as info:
         parallel_apply([DoublesInput()], [x], checkpoint=True, mode=mode)
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the checkpointed expert modified in place an input that "
+        "requires grad; its recomputation would see other values: clone the input first, or "
+        "call this expert with checkpoint=False")
 
 
 class PassThrough(torch.autograd.Function):
@@ -1134,9 +1140,12 @@ class ShrinksItsWeight(nn.Module):
 def test_checkpointed_expert_changing_its_parameter_in_forward_raises(mode: str) -> None:
     """Its recomputation would change the parameter again (0.81 x, not 0.9 x)."""
     x = torch.randn(3, 4, requires_grad=True)
-    with pytest.raises(RuntimeError, match="call 0 of 1: the checkpointed expert modified one of "
-                       "its parameters in place in its forward"):
+    with pytest.raises(RuntimeError) as info:
         parallel_apply([ShrinksItsWeight()], [x], checkpoint=True, mode=mode)
+    assert str(info.value) == (
+        "parallel_apply: call 0 of 1: the checkpointed expert modified one of its parameters in "
+        "place in its forward; its recomputation would modify it again: call this expert with "
+        "checkpoint=False")
     (mod,), (ref,) = twins(ShrinksItsWeight)
     parallel_apply([mod], [x], mode=mode)[0].sum().backward()
     ref(x).sum().backward()  # without checkpointing it equals the loop

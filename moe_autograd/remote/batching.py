@@ -518,8 +518,8 @@ class RemoteModuleCall(ModuleCall):
                            if isinstance(a, Tensor) and a.requires_grad]
         # Arguments that are all leaves of their own (tensors, scalars): the
         # detached leaves are the arguments, in order (no pytree on the way).
-        assert self._leaves is not None
-        self._flat = len(self._leaves) == len(args)
+        # (Not a count: ``[x]`` is one argument of one leaf, but a list.)
+        self._flat = all(child.is_leaf() for child in self._in_spec.child(0).children())
         if kwargs or self.checkpoint or len(self._positions) != len(self.inputs):
             self.collector = None
 

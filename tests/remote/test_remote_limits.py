@@ -27,7 +27,8 @@ import torch
 from torch import Tensor, nn
 
 from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError, sizes, wire
-from moe_autograd.remote.batch_server import _batch_op, _collect_op
+from moe_autograd.remote import batch_server
+from moe_autograd.remote.batch_server import _batch_op, _collect_op, kept_batches
 from moe_autograd.remote.server import run_job
 from moe_autograd.remote.sizes import Tally, materialised_bytes
 from wiring import InProcess, ask, caller
@@ -250,3 +251,145 @@ def test_tally_counts_each_tensor_once_and_bounds_its_walk(monkeypatch: pytest.M
     loop.append(loop)
     with pytest.raises(ValueError, match="more than 1000 objects"):
         materialised_bytes(loop)
+
+
+# -- what a batch's request may name, and what a server keeps of it ---------------------------
+
+class Gated(nn.Module):
+    """Doubles its input once the test opens gate ``k`` (its second argument)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gates = [threading.Event() for _ in range(8)]
+
+    def forward(self, x: Tensor, k: int) -> Tensor:
+        assert self.gates[k].wait(20), f"gate {k} never opened"
+        return x * 2
+
+
+@pytest.fixture
+def gated() -> Iterator[Gated]:
+    expert = Gated()
+    server = ExpertServer({"gate": expert}, transport=InProcess(HERE))
+    try:
+        yield expert
+    finally:
+        for gate in expert.gates:
+            gate.set()
+        server.close()
+
+
+def _gated_job(k: int, answer_by: Any = None) -> Dict[str, Any]:
+    return {"op": "forward", "expert": "gate", "call": f"call-gate-{k}", "seed": 0,
+            "grad": False, "flags": [False, False], "args": [torch.ones(2), k],
+            "answer_by": answer_by}
+
+
+def _answered(reply: List[Any]) -> Tuple[List[int], bool]:
+    """Which jobs a batch or collect reply answers, and its ``more``."""
+    status, (answers, more) = reply
+    assert status == "ok", answers
+    return [k for k, a in enumerate(answers) if a is not None], more
+
+
+def test_a_batch_id_must_be_a_short_non_empty_string(gated: Gated) -> None:
+    """batch and collect refuse, word for word, an id that is not a str of 1
+    to 256 characters, and accept both ends of that range."""
+    gated.gates[0].set()
+    me = caller()
+    for bad in [None, 5, "", "x" * 257]:
+        want = ["error", "TypeError: batch id must be a non-empty str of at most 256 "
+                f"characters, got {bad!r:.80}"]
+        assert _batch_op(me, {"op": "batch", "batch": bad, "jobs": [_gated_job(0)]}) == want
+        assert _collect_op(me, {"op": "collect", "batch": bad}) == want
+    for good in ["a", "x" * 256]:
+        assert _answered(_batch_op(me, {"op": "batch", "batch": good,
+                                        "jobs": [_gated_job(0)]})) == ([0], False)
+
+
+def test_a_malformed_batch_request_is_refused_word_for_word_and_the_next_one_served(
+        gated: Gated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Jobs that are not a list of 1 to MAX_JOBS dicts, and a batch id the
+    client still uses, are refused as a whole, naming what is wrong; the
+    same id from another client is its own."""
+    monkeypatch.setattr(batch_server, "MAX_JOBS", 3)
+    gated.gates[0].set()
+    me, other = caller(), caller(session=b"o" * 16)
+    for jobs, got in [(None, "NoneType"), ([], "list"), ([_gated_job(0)] * 4, "list")]:
+        assert _batch_op(me, {"op": "batch", "batch": "malformed", "jobs": jobs}) == [
+            "error", f"TypeError: jobs must be a list of 1 to 3 jobs, got {got}"]
+    assert _batch_op(me, {"op": "batch", "batch": "malformed", "jobs": [_gated_job(0), 5]}) == [
+        "error", "TypeError: a job must be a dict, got int"]
+    assert _answered(_batch_op(me, {"op": "batch", "batch": "three",
+                                    "jobs": [_gated_job(0)] * 3})) == ([0, 1, 2], False)
+    assert _answered(_batch_op(me, {"op": "batch", "batch": "in-use",
+                                    "jobs": [_gated_job(0), _gated_job(1)]})) == ([0], True)
+    assert _batch_op(me, {"op": "batch", "batch": "in-use", "jobs": [_gated_job(0)]}) == [
+        "error", "ValueError: batch id 'in-use' is in use: batch ids must be unique"]
+    assert _answered(_batch_op(other, {"op": "batch", "batch": "in-use",
+                                       "jobs": [_gated_job(0)]})) == ([0], False)
+    gated.gates[1].set()
+    assert _answered(_collect_op(me, {"op": "collect", "batch": "in-use"})) == ([1], False)
+
+
+def test_a_jobs_answer_by_must_be_none_or_positive_seconds(gated: Gated) -> None:
+    """answer_by: None or a positive finite number of seconds (not a bool,
+    not a string), refused word for word otherwise."""
+    gated.gates[0].set()
+    me = caller()
+    for bad in [True, 0, -1.0, float("inf"), float("nan"), "1"]:
+        assert _batch_op(me, {"op": "batch", "batch": "bad-by",
+                              "jobs": [_gated_job(0, answer_by=bad)]}) == [
+            "error", f"TypeError: a job's answer_by must be None or positive seconds, got {bad!r}"]
+    for k, good in enumerate([None, 30, 30.5]):
+        assert _answered(_batch_op(me, {"op": "batch", "batch": f"good-by-{k}",
+                                        "jobs": [_gated_job(0, answer_by=good)]})) == ([0], False)
+
+
+def test_a_batch_is_kept_until_its_last_answer_is_collected(gated: Gated) -> None:
+    """A partly answered batch stays collectable by its owner, one new answer
+    per collect, for as long as some job runs (with or without an
+    answer_by), and is forgotten once every answer went."""
+    me = caller()
+    before = kept_batches()  # (other tests' batches, if any)
+    for answer_by in [None, 30.0]:
+        for gate in gated.gates:
+            gate.clear()
+        gated.gates[0].set()
+        batch = f"kept-{answer_by}"
+        jobs = [_gated_job(k, answer_by) for k in range(3)]
+        assert _answered(_batch_op(me, {"op": "batch", "batch": batch, "jobs": jobs})) == (
+            [0], True)
+        gated.gates[1].set()
+        assert _answered(_collect_op(me, {"op": "collect", "batch": batch})) == ([1], True)
+        assert kept_batches() == before + 1
+        gated.gates[2].set()
+        assert _answered(_collect_op(me, {"op": "collect", "batch": batch})) == ([2], False)
+        assert kept_batches() == before
+        assert _collect_op(me, {"op": "collect", "batch": batch}) == [
+            "error", f"LookupError: unknown batch {batch!r} of this client (answered already, "
+            "or dropped after 60 s without a collect)"]
+
+
+def test_a_client_keeps_a_bounded_number_of_batches_and_never_drops_anothers(
+        gated: Gated, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past MAX_KEPT_PER_OWNER kept batches, the owner's oldest is dropped;
+    another client's are kept, and collected by that client only."""
+    monkeypatch.setattr(batch_server, "MAX_KEPT_PER_OWNER", 2)
+    gated.gates[0].set()
+    mine, theirs = caller(), caller(session=b"t" * 16)
+    before = kept_batches()  # (other tests' batches, if any)
+    assert _answered(_batch_op(theirs, {"op": "batch", "batch": "b-0",
+                                        "jobs": [_gated_job(0), _gated_job(4)]})) == ([0], True)
+    for n in range(3):
+        assert _answered(_batch_op(mine, {"op": "batch", "batch": f"b-{n}",
+                                          "jobs": [_gated_job(0), _gated_job(1 + n)]})) == (
+            [0], True)
+    assert kept_batches() == before + 3  # two of mine, one of theirs
+    assert _collect_op(mine, {"op": "collect", "batch": "b-0"})[0] == "error"  # my oldest: dropped
+    for n in (1, 2):
+        gated.gates[1 + n].set()
+        assert _answered(_collect_op(mine, {"op": "collect", "batch": f"b-{n}"})) == ([1], False)
+    gated.gates[4].set()
+    assert _answered(_collect_op(theirs, {"op": "collect", "batch": "b-0"})) == ([1], False)
+    assert kept_batches() == before
