@@ -97,6 +97,11 @@ class CallCancelled(TimeoutError):
     waiting caller) was interrupted."""
 
 
+def on_worker() -> bool:
+    """Whether this thread is one of the pool's workers."""
+    return bool(getattr(_thread_role, "worker", False))
+
+
 def is_interruption(error: Optional[BaseException]) -> bool:
     """Whether ``error`` is a ``BaseException`` that is not an ``Exception``
     (``KeyboardInterrupt``, ``SystemExit``, ``GeneratorExit``, a custom one):

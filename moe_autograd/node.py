@@ -74,6 +74,7 @@ Invariants:
   it streams: after its gradients were taken, without ``retain_graph``; or
   when the outputs die), never longer.
 """
+import functools
 import threading
 import time
 import weakref
@@ -83,7 +84,7 @@ import torch
 from torch import Tensor
 
 from . import collect
-from .executor import is_interruption
+from .executor import is_interruption, on_worker
 from .phony import get_phony
 from .saved import CallSaves
 from .tls import bind, capture
@@ -231,6 +232,26 @@ class _Plan:
             if not (self.streams and not self.constant[i]):
                 self.release_call(i)
 
+    def finalized(self, i: Optional[int] = None) -> None:
+        """The target of the tokens' finalizers: :meth:`release` (``i``
+        None) or :meth:`release_call`. A token can die wherever a garbage
+        collection runs, e.g. inside a call on a pool worker, holding that
+        call's locks (a recomputation replaying its module's state): there,
+        where a call to release has not ended in the current pass, waiting
+        for it (or running it) could wait for that very thread, so the
+        release waits on a thread of its own. Elsewhere (the engine's thread
+        dropping the nodes of a stopped backward) it releases at once, as the
+        next backward on that thread needs (the calls' hooks put back)."""
+        current = self.current
+        which = range(len(self.calls)) if i is None else [i]
+        if current is not None and on_worker() and not current.idle(which):
+            release = self.release if i is None else functools.partial(self.release_call, i)
+            threading.Thread(target=release, name="moe_autograd-release", daemon=True).start()
+        elif i is None:
+            self.release()
+        else:
+            self.release_call(i)
+
     def release_call(self, i: int) -> None:
         with self.lock:
             if self._released[i]:
@@ -375,7 +396,7 @@ class _ParallelNode(torch.autograd.Function):
         # backward without retain_graph, or the node's death. The token is only
         # referenced by the saved state (see attach() for the hooks).
         token = torch.empty(0)
-        weakref.finalize(token, plan.release)
+        weakref.finalize(token, plan.finalized)
         ctx.save_for_backward(token)
         return tuple(outputs)
 
@@ -456,7 +477,7 @@ class _CallGradients(torch.autograd.Function):
         ctx.plan, ctx.i, ctx.n = plan, i, len(inputs)
         ctx.set_materialize_grads(False)
         token = torch.empty(0)
-        weakref.finalize(token, plan.release_call, i)
+        weakref.finalize(token, plan.finalized, i)
         ctx.save_for_backward(token)
         # On the call's device: the engine runs this node on that device's thread.
         return torch.empty(0, device=plan.token_devices[i])
@@ -728,6 +749,11 @@ class _Pass:
         self.plan.freed = True
         for i in range(len(self.plan.calls)):
             self.plan.release_call(i)
+
+    def idle(self, which: Sequence[int]) -> bool:
+        """Whether none of the calls ``which`` runs in this pass (or it ended)."""
+        return self._finished or all(
+            self.group.done(self.position[i]) for i in which if i in self.position)
 
     def released(self, i: int) -> None:
         """Call ``i`` is about to be freed (its node's state went: after its

@@ -515,10 +515,10 @@ class Overlaps(nn.Module):
 def test_a_stateful_first_child_shared_by_distinct_experts_orders_the_calls(fresh_pool):
     """The ordering looks at every submodule, the first child too: distinct
     experts whose one shared stateful module is their first child never run
-    it at once. (Correct code cannot overlap; the first call waits 1 s for a
+    it at once. (Correct code cannot overlap; the first call waits 0.5 s for a
     second to come in, which is how a missed ordering shows.)"""
     fresh_pool(4)
-    shared = Overlaps(patience=1.0)
+    shared = Overlaps(patience=0.5)
     experts = [nn.Sequential(shared, nn.Linear(4, 4).to(DT)) for _ in range(2)]
     outs = parallel_apply(experts, [randn(2, 4, seed=i) for i in range(2)], mode="parallel")
     assert not shared.overlapped

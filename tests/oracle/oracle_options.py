@@ -6,9 +6,9 @@ from typing import List, Optional
 import pytest
 
 DEFAULT_SEED = 0
-# make test's sample (the sentinels' witness cases run besides): 800 keeps the
+# make test's sample (the sentinels' witness cases run besides): 750 keeps the
 # suite within its 10 minutes on 2 cores; make fuzz runs 20000.
-DEFAULT_CASES = 800
+DEFAULT_CASES = 750
 
 
 def _option(config: pytest.Config, name: str, env: str) -> Optional[str]:
