@@ -242,3 +242,18 @@ class Scaled(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # where it runs here (checkpointed)
         return x * self.scale
+
+
+def parallel_node(output: torch.Tensor) -> Any:
+    """The ``_ParallelNode`` backward node under ``output`` (its ``plan``
+    is the node's state)."""
+    stack, seen = [output.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if "ParallelNode" in type(fn).__name__:
+            return fn
+        stack.extend(f for f, _ in fn.next_functions)
+    raise AssertionError("no parallel node under the output")

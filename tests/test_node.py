@@ -15,7 +15,7 @@ from moe_autograd.executor import CallCancelled
 from moe_autograd.executor import get_pool
 from moe_autograd.node import BackwardPolicy, Grads, IsolatedCall, attach
 from moe_autograd.parallel import finish_calls, start_calls
-from helpers import BackwardBarrier, RaisesInBackward, wait_dead
+from helpers import BackwardBarrier, RaisesInBackward, parallel_node, wait_dead
 
 DT = torch.float64
 MODES = ["lanes", "parallel"]
@@ -436,18 +436,6 @@ def test_each_maps_aliased_or_dirty_output_is_its_own_calls_input(mode: str, fun
 
 # -- releasing a call from a finalizer ---------------------------------------------------------
 
-def _parallel_node(output: Tensor) -> Any:
-    stack, seen = [output.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if "ParallelNode" in type(fn).__name__:
-            return fn
-        stack.extend(f for f, _ in fn.next_functions)
-    raise AssertionError("no parallel node under the output")
-
 
 @pytest.mark.timeout(60)
 def test_a_finalizer_releasing_a_running_call_never_waits_where_its_token_died() -> None:
@@ -478,7 +466,7 @@ def test_a_finalizer_releasing_a_running_call_never_waits_where_its_token_died()
 
     xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
     outs = parallel_apply([Expert(), nn.Identity()], xs, mode="parallel")
-    plan = _parallel_node(outs[0]).plan
+    plan = parallel_node(outs[0]).plan
     errors: List[BaseException] = []
 
     def run_backward() -> None:
@@ -722,7 +710,7 @@ def test_a_retained_graph_keeps_nothing_of_a_finished_pass() -> None:
     passes: List[Any] = []
     ws, calls = _backward_in_order(lambda: None)
     outs = attach(calls)
-    plan = _parallel_node(outs[0][0]).plan
+    plan = parallel_node(outs[0][0]).plan
     calls[1].before = lambda: passes.append(weakref.ref(plan.current))
     sum(o.sum() for (o,) in outs).backward(retain_graph=True)
     assert len(passes) == 1 and wait_dead(passes) == [False]
@@ -737,7 +725,7 @@ def test_a_deadline_pass_frees_each_streaming_call_once_its_gradients_are_taken(
     backward ended."""
     ws, calls = _backward_in_order(lambda: None)
     outs = attach(calls, BackwardPolicy(30.0, tolerate_failures=True))
-    plan = _parallel_node(outs[0][0]).plan
+    plan = parallel_node(outs[0][0]).plan
     sum(o.sum() for (o,) in outs).backward()
     for t in [t for t in threading.enumerate() if t.name == "moe_autograd-release"]:
         t.join(30)
@@ -758,7 +746,7 @@ def test_a_release_of_a_running_call_waits_for_its_backward_to_end() -> None:
         assert go.wait(30)
     ws, calls = _backward_in_order(blocks)
     outs = attach(calls, BackwardPolicy(tolerate_failures=True))
-    plan = _parallel_node(outs[0][0]).plan
+    plan = parallel_node(outs[0][0]).plan
     backward = threading.Thread(target=lambda: sum(o.sum() for (o,) in outs).backward())
     backward.start()
     try:
@@ -789,7 +777,7 @@ def test_a_tolerant_policys_check_never_runs_after_the_engine_stopped_between_tw
         raise RuntimeError("this hook refuses")
     ws[1].register_hook(refuse)
     outs = attach(calls, BackwardPolicy(tolerate_failures=True, check=seen.append))
-    plan = _parallel_node(outs[0][0]).plan
+    plan = parallel_node(outs[0][0]).plan
     with pytest.raises(RuntimeError, match="this hook refuses"):
         sum(o.sum() for (o,) in outs).backward()
     del outs  # the graph goes: the first call's node, never run, with it

@@ -17,10 +17,9 @@ from torch import Tensor, nn
 
 from moe_autograd import (is_checkpointing, is_recomputing, parallel_apply, policy,
                           recompute_early)
-from helpers import wait_dead
+from helpers import parallel_node, wait_dead
 
 D = 8
-
 
 
 class Expert(nn.Module):
@@ -433,20 +432,6 @@ class Signalling(nn.Module):
         return torch.tanh(self.fc(x))
 
 
-def _parallel_node(output: Tensor) -> Any:
-    """The ``_ParallelNode`` backward node under ``output``."""
-    stack, seen = [output.grad_fn], set()
-    while stack:
-        fn = stack.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        if "ParallelNode" in type(fn).__name__:
-            return fn
-        stack.extend(f for f, _ in fn.next_functions)
-    raise AssertionError("no parallel node under the output")
-
-
 def _early_setup(n: int, checkpoint: Any = True):
     torch.manual_seed(0)
     log: List[str] = []
@@ -478,7 +463,7 @@ def test_recompute_early_starts_recomputation_at_the_trigger() -> None:
         with lock:
             log.append("parallel node backward")
 
-    _parallel_node(outs[0]).register_prehook(node_prehook)
+    parallel_node(outs[0]).register_prehook(node_prehook)
     h = head(torch.stack(outs).sum(dim=0))
     trigger = h
     h = recompute_early(h, outs)
