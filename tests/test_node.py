@@ -12,7 +12,6 @@ from torch import Tensor, nn
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.executor import CallCancelled
-from moe_autograd.executor import get_pool
 from moe_autograd.node import BackwardPolicy, Grads, IsolatedCall, attach
 from moe_autograd.parallel import finish_calls, start_calls
 from helpers import BackwardBarrier, RaisesInBackward, parallel_node, wait_dead
@@ -432,61 +431,6 @@ def test_each_maps_aliased_or_dirty_output_is_its_own_calls_input(mode: str, fun
     got, want = run(True), run(False)
     assert len(got) == len(want)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-# -- releasing a call from a finalizer ---------------------------------------------------------
-
-
-@pytest.mark.timeout(60)
-def test_a_finalizer_releasing_a_running_call_never_waits_where_its_token_died() -> None:
-    """A token of the node's state can die wherever a garbage collection
-    runs, e.g. inside another call's recomputation holding the module-state
-    replay lock: the release of a call that still runs in the pass then
-    waits on a thread of its own, and frees the call once it ended (it once
-    waited right there: a deadlock seen once under make test, oracle seed 0
-    case 615, a worker's collection releasing a call while holding the lock
-    that call's recomputation needed). Here the finalizer is called by hand,
-    on a worker, while the call's backward runs."""
-    inside, go = threading.Event(), threading.Event()
-
-    class Holds(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: Tensor) -> Tensor:
-            return x * 2
-
-        @staticmethod
-        def backward(ctx: Any, g: Tensor) -> Tensor:
-            inside.set()
-            assert go.wait(30)
-            return g * 2
-
-    class Expert(nn.Module):
-        def forward(self, x: Tensor) -> Tensor:
-            return Holds.apply(x)
-
-    xs = [torch.randn(3, requires_grad=True) for _ in range(2)]
-    outs = parallel_apply([Expert(), nn.Identity()], xs, mode="parallel")
-    plan = parallel_node(outs[0]).plan
-    errors: List[BaseException] = []
-
-    def run_backward() -> None:
-        try:  # its record freed under it, as the test makes it: no gradient to check
-            sum(o.sum() for o in outs).backward()
-        except Exception as error:  # noqa: BLE001 - the test looks at the release only
-            errors.append(error)
-    backward = threading.Thread(target=run_backward)
-    backward.start()
-    assert inside.wait(30)
-    # On a pool worker, where a collection inside another call would run it.
-    finalizer = get_pool().submit([lambda: plan.finalized(0)])
-    returned = finalizer.wait_for(0, 20, help=False)
-    go.set()
-    backward.join(30)
-    finalizer.wait_for(0, 30, help=False)
-    assert returned, "the finalizer waited for the running call"
-    for t in [t for t in threading.enumerate() if t.name == "moe_autograd-release"]:
-        t.join(30)
-    assert plan.calls[0] is None  # released once its backward ended
 
 
 # -- records of its own: collected calls, tolerant passes, streaming, deadlines ----------------
