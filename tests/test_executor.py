@@ -315,20 +315,24 @@ def test_a_caller_interrupted_while_it_waits_joins_first(fresh_pool):
     """Ctrl-C while the caller sleeps in wait(): pending calls are
     cancelled, running ones end, then the interruption leaves."""
     fresh_pool(1)
-    inside = threading.Event()
+    submitted = threading.Event()
+    groups = []
     ended = []
 
     def running():
-        inside.set()
-        time.sleep(0.3)
+        # A real SIGINT (interrupt_main() only sets a flag that a blocked wait
+        # would read once woken), sent once the caller waits: no timing.
+        assert submitted.wait(10)
+        deadline = time.monotonic() + 10
+        while groups[0]._waiters == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # still running when the interruption reaches the caller
         ended.append(1)
 
-    group = get_pool().submit([running, lambda: ended.append(2)], lanes=2)
-    assert inside.wait(10)
-
-    # A real SIGINT (interrupt_main() only sets a flag that a blocked wait
-    # would read once woken).
-    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+    groups.append(get_pool().submit([running, lambda: ended.append(2)], lanes=2))
+    group = groups[0]
+    submitted.set()
     with pytest.raises(KeyboardInterrupt):
         group.wait(help=False)
     assert ended == [1] and group.all_done
