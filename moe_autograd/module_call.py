@@ -703,6 +703,10 @@ class ModuleCall(IsolatedCall):
             raise group.errors[0]
 
     # -- backward --------------------------------------------------------------
+    @property
+    def hands_gradients(self) -> bool:
+        return self._kept is not None
+
     def backward_starts(self) -> None:
         if self.cuda_devices:
             self._backward_ready = record_ready(self.cuda_devices)

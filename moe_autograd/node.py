@@ -128,6 +128,14 @@ class IsolatedCall:
     retain_graph = True
 
     @property
+    def hands_gradients(self) -> bool:
+        """Whether the call's backward itself hands gradients to the caller's
+        tensors (those it computes further from, see :mod:`moe_autograd.kept`):
+        a pass that runs it then raises its failure even where the engine
+        takes none of its input gradients (``backward(inputs=[kept])``)."""
+        return False
+
+    @property
     def needs_grad(self) -> bool:
         """Whether backward must reach this call (its inputs or parameters)."""
         return any(t.requires_grad for t in self.inputs)
@@ -620,7 +628,10 @@ class _Pass:
                    cancelled), every hook back, the policy's ``check`` run on
                    all outcomes; idempotent: run when the last active call's
                    gradients are taken (a streaming node also queues it at the
-                   end of the engine's pass, for calls the pass never reached)
+                   end of the engine's pass, for calls the pass never reached:
+                   there, under the default policy, the failure of a call
+                   that hands gradients itself is raised, see
+                   :attr:`IsolatedCall.hands_gradients`)
 
     Under the default policy the first failure met, in the loop's order
     (later calls first), is raised; under a tolerant one a failed or late
@@ -659,6 +670,8 @@ class _Pass:
             if failure is not None:
                 saves.fail(failure)
         self._muted = _Muted(calls, self.active)
+        #: Calls whose backward hands gradients to the caller's tensors itself.
+        self._hands = {i for i in self.active if calls[i].hands_gradients}
         retain = keeps_graph()
         for i in self.active:
             calls[i].retain_graph = retain
@@ -805,7 +818,17 @@ class _Pass:
             if self.plan.current is self:
                 self.plan.current = None
         policy = self.plan.policy
-        if not check or self.strict or policy is None or policy.check is None:
+        if check and self.strict:
+            # A call whose gradients the engine never took (backward(inputs=...)
+            # naming only tensors it kept): its failure would be lost, and with
+            # it the whole gradients it was to hand (see moe_autograd.kept).
+            for i in reversed(self.active):
+                error = group.errors[self.position[i]]
+                if error is not None and i in self._hands and i not in self._taken:
+                    self._fail()
+                    raise error
+            return
+        if not check or policy is None or policy.check is None:
             return
         outcomes: List[Optional[BaseException]] = [None] * len(self.plan.calls)
         for i, k in self.position.items():

@@ -321,20 +321,34 @@ def test_a_caller_interrupted_while_it_waits_joins_first(fresh_pool):
 
     def running():
         # A real SIGINT (interrupt_main() only sets a flag that a blocked wait
-        # would read once woken), sent once the caller waits: no timing.
+        # would read once woken), sent once the caller waits: no timing. Sent
+        # to the main thread itself: sent to the process, the kernel may hand
+        # it to any thread that does not block it (a library's), and the
+        # caller's wait would not be interrupted.
         assert submitted.wait(10)
         deadline = time.monotonic() + 10
         while groups[0]._waiters == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.1)  # still running when the interruption reaches the caller
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        # still running when the interruption reaches the caller: it ends once
+        # the caller cancelled the pending call (not after a fixed sleep: on a
+        # busy machine this worker would take that call first)
+        while not isinstance(groups[0].errors[1], executor.CallCancelled) \
+                and time.monotonic() < deadline + 10:
+            time.sleep(0.001)
         ended.append(1)
 
-    groups.append(get_pool().submit([running, lambda: ended.append(2)], lanes=2))
-    group = groups[0]
-    submitted.set()
-    with pytest.raises(KeyboardInterrupt):
-        group.wait(help=False)
+    # Python's own handler, whatever an earlier test's library (Ray, gloo)
+    # put in its place at the C level.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        groups.append(get_pool().submit([running, lambda: ended.append(2)], lanes=2))
+        group = groups[0]
+        submitted.set()
+        with pytest.raises(KeyboardInterrupt):
+            group.wait(help=False)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert ended == [1] and group.all_done
     assert isinstance(group.errors[1], executor.CallCancelled)
 

@@ -252,3 +252,63 @@ def test_a_kept_output_is_named_by_its_place_in_the_result(mode: str) -> None:
     with pytest.raises(RuntimeError, match=r"^parallel_apply: call 0 of 1: the gradient of "
                                            r"output 1, which the call computes further from"):
         torch.autograd.grad(h.sum() + g.sum(), [g])
+
+
+class _FailsInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, h: Tensor) -> Tensor:  # type: ignore[override]
+        return h * 1
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:  # type: ignore[override]
+        raise ValueError("the expert's backward fails")
+
+
+class _KeepsThenFails(nn.Module):
+    """Keeps an intermediate, then computes further from it through a part
+    whose backward raises (torch's reentrant checkpoint under backward(inputs=),
+    or a Function of the expert's); a parameter after it (the call streams
+    its gradients through a node of its own)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 4))
+        self.reentrant = reentrant
+        self.keep: Optional[Tensor] = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * 1.5
+        self.keep = h
+        h = torch.tanh(h)
+        if self.reentrant:
+            h = torch.utils.checkpoint.checkpoint(self.fc, h, use_reentrant=True)
+        else:
+            h = _FailsInBackward.apply(self.fc(h))
+        return h * self.gain
+
+
+@pytest.mark.parametrize("reentrant", [True, False], ids=["ckpt_reentrant", "function"])
+@pytest.mark.parametrize("side", SIDES)
+def test_backward_inputs_naming_only_a_kept_tensor_raises_the_calls_failure(
+        side: str, reentrant: bool) -> None:
+    """backward(inputs=[kept]) runs the call's backward for the kept tensor's
+    whole gradient, and the engine takes none of the call's input gradients:
+    a failure there is the loop's error too, never lost with the kept tensor's
+    .grad left at its outside part (oracle seed 1795850281, case 518)."""
+    x = torch.randn(3, 4, requires_grad=True)
+    want = (r"call 0 of 1: the expert uses torch.utils.checkpoint\(use_reentrant=True\)"
+            if reentrant else "the expert's backward fails")
+    for runtime in (False, True):
+        torch.manual_seed(0)
+        expert = _KeepsThenFails(reentrant)
+        if runtime:
+            (out,) = parallel_apply([expert], [x], mode="parallel" if side == "checkpoint"
+                                    else side, checkpoint=side == "checkpoint")
+        else:
+            out = expert(x)
+        kept = expert.keep
+        assert kept is not None
+        with pytest.raises((RuntimeError, ValueError),
+                           match=want if runtime else "use_reentrant=True|backward fails"):
+            (out.sum() + kept.sum() * 0.75).backward(inputs=[kept])

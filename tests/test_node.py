@@ -3,6 +3,7 @@ word, the backward policy's fields, the leaves' hooks it mutes while the
 calls run and puts back, what it keeps after a backward without
 ``retain_graph``, and calls the pass does not reach."""
 import threading
+import time
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -11,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_autograd import map_with_parallel_backward, parallel_apply
-from moe_autograd.executor import CallCancelled
+from moe_autograd.executor import CallCancelled, get_pool
 from moe_autograd.node import BackwardPolicy, Grads, IsolatedCall, attach
 from moe_autograd.parallel import finish_calls, start_calls
 from helpers import BackwardBarrier, RaisesInBackward, parallel_node, wait_dead
@@ -470,6 +471,7 @@ class _Call(IsolatedCall):
         self.ran_on: Optional[str] = None
         self.finished = False
         self.released_after_it: Optional[bool] = None  # released after its backward ended?
+        self.released_on: Optional[str] = None  # the thread that released it
 
     @property
     def streams(self) -> bool:  # type: ignore[override]
@@ -486,6 +488,7 @@ class _Call(IsolatedCall):
 
     def release(self) -> None:
         self.released_after_it = self.finished
+        self.released_on = threading.current_thread().name
 
 
 def _leaves(n: int) -> List[Tensor]:
@@ -705,6 +708,109 @@ def test_a_release_of_a_running_call_waits_for_its_backward_to_end() -> None:
     for t in [t for t in threading.enumerate() if t.name == "moe_autograd-release"]:
         t.join(30)
     assert not backward.is_alive() and not release.is_alive()
+    assert calls[0].released_after_it is True
+
+
+@pytest.mark.timeout(60)
+def test_a_token_dying_on_a_worker_mid_pass_releases_its_call_off_that_worker(
+        fresh_pool: Any) -> None:
+    """A garbage collection inside a call on a pool worker can run the
+    finalizer of another call's token (``plan.finalized``) while that call
+    still runs, and that call may wait for this one (in the trace that
+    found it, for the module state's replay lock that the recomputing call
+    held; here, an Event). Released on the worker, each would wait for the
+    other; the release waits on a thread of its own, so both end, and the
+    call is freed once its backward ended."""
+    fresh_pool(2)
+    go = threading.Event()
+    ws = _leaves(2)
+
+    def first() -> None:  # call 0: runs until call 1 is past the finalizer
+        assert go.wait(10), "call 1's worker waited for call 0's release"
+
+    def second() -> None:  # call 1, on the other worker
+        deadline = time.monotonic() + 10
+        while plan.current is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # the pass becomes current once its calls are queued
+        plan.finalized(0)  # as call 0's token's finalizer in a collection here
+        go.set()
+    calls = [_Call(ws[0], streams=True, before=first),
+             _Call(ws[1], streams=True, before=second, fails=RuntimeError("call 1 fails"))]
+    # A deadline: the engine's thread runs no call, so both run on workers.
+    outs = attach(calls, BackwardPolicy(30.0))
+    plan = parallel_node(outs[0][0]).plan
+    with pytest.raises(RuntimeError, match="call 1 fails"):  # the pass stops there
+        sum(o.sum() for (o,) in outs).backward()
+    for t in [t for t in threading.enumerate() if t.name == "moe_autograd-release"]:
+        t.join(30)
+    assert calls[0].finished and calls[0].released_after_it is True
+    assert plan.calls[0] is None
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["in the call", "on the caller's thread", "on a worker"])
+def test_a_token_dying_after_the_engine_stopped_frees_its_call_once_it_ended(
+        fresh_pool: Any, where: str) -> None:
+    """The engine stopped between two calls (a hook refused): the first
+    call's gradients will never be taken and its backward still runs. A
+    collection inside that very call runs its token's finalizer (or the
+    node's): released there, the call would wait for itself (here until the deadline); it is
+    released on a daemon thread of its own once it ended. On the caller's
+    thread, once the call ended, it is released at once, there."""
+    fresh_pool(2)
+    stopped, ended = threading.Event(), threading.Event()
+    releasers: List[threading.Thread] = []
+    ws = _leaves(2)
+
+    def first() -> None:  # call 0, on a worker, still running when the engine stops
+        assert stopped.wait(10)
+        if where == "in the call":
+            plan.finalized(0)  # as its token's finalizer in a collection here
+            # its releaser waits for this call to end: it is still there
+            releasers.extend(t for t in threading.enumerate()
+                             if t.name == "moe_autograd-release")
+            plan.finalized()  # and the node's: its constant call goes on a thread too
+        ended.set()
+
+    def refuse(g: Tensor) -> Tensor:
+        raise RuntimeError("this hook refuses")
+    constant = _Call(torch.ones(3, dtype=DT))
+    calls = [_Call(ws[0], streams=True, before=first), _Call(ws[1], streams=True), constant]
+    ws[1].register_hook(refuse)
+    # Tolerant under a deadline: calls run on workers, and a release on the
+    # call's own worker (the defect) would wait until the deadline, not for ever.
+    outs = attach(calls, BackwardPolicy(10.0, tolerate_failures=True))
+    plan = parallel_node(outs[0][0]).plan
+    with pytest.raises(RuntimeError, match="this hook refuses"):
+        # the graph retained: the node keeps its state (its constant call)
+        sum(o.sum() for (o,) in outs[:2]).backward(retain_graph=True)
+    stopped.set()
+    assert ended.wait(30)
+    if where == "in the call":
+        assert len(releasers) == 1 and releasers[0].daemon
+        for t in [t for t in threading.enumerate() if t.name == "moe_autograd-release"]:
+            t.join(30)
+        released_on = "moe_autograd-release"
+        assert plan.freed and constant.released_on == released_on
+    else:
+        current = plan.current
+        assert current is not None  # call 0 ends, never taken: the pass is not over
+        deadline = time.monotonic() + 10
+        while not current.group.done(current.position[0]) and time.monotonic() < deadline:
+            time.sleep(0.001)  # ended: its outcome is in
+        on: List[str] = []
+
+        def finalize() -> None:
+            plan.finalized(0)
+            on.append(threading.current_thread().name)
+        if where == "on a worker":
+            group = get_pool().submit([finalize])
+            group.wait(help=False)
+            group.raise_first_error()
+        else:
+            finalize()
+        released_on = on[0]
+    assert plan.calls[0] is None and calls[0].released_on == released_on
     assert calls[0].released_after_it is True
 
 

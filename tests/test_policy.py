@@ -266,16 +266,46 @@ def test_calls_that_block_each_other_are_not_waiting(two_cores: None) -> None:
     assert policy.choose(waiting, 16).reason.startswith("calls wait: blocked 95%")
 
 
-def test_measure_counts_only_what_every_call_waited() -> None:
-    """One call sleeps, the other does not: the batch did not wait, whatever
+class _Clock:
+    """A fake ``time`` for :mod:`moe_autograd.policy`: wall and CPU clocks
+    that move only when a call says so, so a test measures the rule and not
+    how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    def perf_counter(self) -> float:
+        return self.wall
+
+    def thread_time(self) -> float:
+        return self.cpu
+
+    process_time = thread_time
+
+    def sleep(self, seconds: float) -> None:  # blocked: the wall clock alone moves
+        self.wall += seconds
+
+    def compute(self, seconds: float) -> None:  # on a CPU: both move
+        self.wall += seconds
+        self.cpu += seconds
+
+
+def test_measure_counts_only_what_every_call_waited(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One call sleeps, the other computes: the batch did not wait, whatever
     the average says. Both sleep: it waited."""
-    for site, sleeps, waited in ((frozenset(("one sleeps",)), (0.05, 0.0), False),
-                                 (frozenset(("both sleep",)), (0.05, 0.05), True)):
-        with policy.Measure(site, 2, policy.Decision("parallel", 2, "measured")) as measure:
-            for i, seconds in enumerate(sleeps):
-                measure.timed(i, functools.partial(time.sleep, seconds))()
-        blocked = _stats(site)["blocked"]
-        assert (blocked >= policy.WAIT_SHARE) == waited and (blocked < 0.1) != waited, blocked
+    clock = _Clock()
+    monkeypatch.setattr(policy, "time", clock)
+    monkeypatch.setattr(policy, "_queued_s", lambda: 0.0)
+    for site, calls, blocked in (
+            (frozenset(("one sleeps",)), (clock.sleep, clock.compute), 0.0),
+            (frozenset(("both sleep",)), (clock.sleep, clock.sleep), 1.0),
+            (frozenset(("one sleeps longer",)), (clock.sleep, clock.sleep, clock.compute), 0.0),
+            (frozenset(("partly",)), ((lambda s: (clock.sleep(s / 2), clock.compute(s / 2))),
+                                      clock.sleep), 2 * 0.025 / 0.1)):
+        with policy.Measure(site, len(calls), policy.Decision("parallel", 2, "measured")) as measure:
+            for i, call in enumerate(calls):
+                measure.timed(i, functools.partial(call, 0.05))()
+        assert _stats(site)["blocked"] == pytest.approx(blocked, abs=1e-3), site
 
 
 def test_a_busy_machine_teaches_nothing_within_the_cores(two_cores: None) -> None:
