@@ -754,9 +754,10 @@ def test_a_token_dying_after_the_engine_stopped_frees_its_call_once_it_ended(
     """The engine stopped between two calls (a hook refused): the first
     call's gradients will never be taken and its backward still runs. A
     collection inside that very call runs its token's finalizer (or the
-    node's): released there, the call would wait for itself (here until the deadline); it is
-    released on a daemon thread of its own once it ended. On the caller's
-    thread, once the call ended, it is released at once, there."""
+    node's): released there, the call would wait for itself (here until
+    the deadline); it is released on a daemon thread of its own once it
+    ended. Once the call ended, a finalizer on the caller's thread or on a
+    worker releases it at once, there."""
     fresh_pool(2)
     stopped, ended = threading.Event(), threading.Event()
     releasers: List[threading.Thread] = []

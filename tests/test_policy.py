@@ -292,17 +292,20 @@ class _Clock:
 
 def test_measure_counts_only_what_every_call_waited(monkeypatch: pytest.MonkeyPatch) -> None:
     """One call sleeps, the other computes: the batch did not wait, whatever
-    the average says. Both sleep: it waited."""
+    the average says. Both sleep: it waited. One sleeps half its time: the
+    share is that of the least-blocked call (n times its blocked time over
+    the calls' total)."""
     clock = _Clock()
     monkeypatch.setattr(policy, "time", clock)
     monkeypatch.setattr(policy, "_queued_s", lambda: 0.0)
     for site, calls, blocked in (
             (frozenset(("one sleeps",)), (clock.sleep, clock.compute), 0.0),
             (frozenset(("both sleep",)), (clock.sleep, clock.sleep), 1.0),
-            (frozenset(("one sleeps longer",)), (clock.sleep, clock.sleep, clock.compute), 0.0),
+            (frozenset(("two of three sleep",)), (clock.sleep, clock.sleep, clock.compute), 0.0),
             (frozenset(("partly",)), ((lambda s: (clock.sleep(s / 2), clock.compute(s / 2))),
                                       clock.sleep), 2 * 0.025 / 0.1)):
-        with policy.Measure(site, len(calls), policy.Decision("parallel", 2, "measured")) as measure:
+        decision = policy.Decision("parallel", 2, "measured")
+        with policy.Measure(site, len(calls), decision) as measure:
             for i, call in enumerate(calls):
                 measure.timed(i, functools.partial(call, 0.05))()
         assert _stats(site)["blocked"] == pytest.approx(blocked, abs=1e-3), site
