@@ -1,44 +1,83 @@
 """Every script in examples/ runs, at its small size (``--small``), in a fresh
-interpreter with a timeout, and prints what it promises."""
+interpreter with a timeout, and prints what it promises.
+
+The selected scripts start together, with the module's first test (they mostly
+import torch and wait on each other's cores: 16.5 s for the four instead of
+26 s one after another, on 2 cores), and each test reads its own."""
 import importlib.util
 import os
 import subprocess
 import sys
-from typing import List
+import time
+from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
+SCRIPTS = ["checkpointed_experts.py", "mixtral.py", "parallel_backward.py", "remote_experts.py"]
+TIMEOUT_S = 240.0
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+#: The running scripts: their process, start time and TMPDIR.
+_RUNS: Dict[str, Tuple["subprocess.Popen[str]", float, str]] = {}
 
 
-def _run(script: str, timeout: float = 240, **env_vars: str) -> List[str]:
-    env = dict(os.environ, **env_vars)
+def _start(script: str, tmp: str) -> None:
+    env = dict(os.environ, TMPDIR=tmp)
     env.pop("MOE_AUTOGRAD_WORKERS", None)
-    proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, script), "--small"],
-                          cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-    assert proc.returncode == 0, (f"{script} exited with {proc.returncode}:\n"
-                                  f"{proc.stdout}\n{proc.stderr}")
-    return proc.stdout.splitlines()
+    proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, script), "--small"],
+                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _RUNS[script] = (proc, time.monotonic(), tmp)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _examples(request: pytest.FixtureRequest,
+              tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Starts the script of every selected test of this module (``test_x``
+    reads ``x.py``'s run), but mixtral's without its extra; kills, at the
+    module's end, any that no test read (the run stopped)."""
+    for item in request.session.items:
+        script = f"{item.name[len('test_'):]}.py"
+        if getattr(item, "module", None) is request.module and script in SCRIPTS \
+                and (script != "mixtral.py" or HAS_TRANSFORMERS):
+            _start(script, str(tmp_path_factory.mktemp(script[:-len(".py")])))
+    yield
+    for proc, _, _ in _RUNS.values():
+        proc.kill()
+        proc.communicate()
+    _RUNS.clear()
+
+
+def _run(script: str) -> Tuple[List[str], str]:
+    """The script's output lines and its TMPDIR, once it exited 0."""
+    proc, started, tmp = _RUNS.pop(script)
+    try:
+        out, err = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"{script} ran past {TIMEOUT_S:g} s:\n{out}\n{err}")
+    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{out}\n{err}"
+    return out.splitlines(), tmp
 
 
 def test_every_example_has_a_test():
     scripts = sorted(f for f in os.listdir(EXAMPLES) if f.endswith(".py"))
-    assert scripts == ["checkpointed_experts.py", "mixtral.py", "parallel_backward.py",
-                       "remote_experts.py"]
+    assert scripts == SCRIPTS
 
 
 @pytest.mark.timeout(300)
 def test_parallel_backward():
-    lines = _run("parallel_backward.py")
+    lines, _ = _run("parallel_backward.py")
     assert any(line.startswith("modules:") and "same gradients" in line for line in lines)
     assert any(line.startswith("Function:") and "same gradients" in line for line in lines)
 
 
 @pytest.mark.timeout(300)
 def test_checkpointed_experts():
-    lines = _run("checkpointed_experts.py")
+    lines, _ = _run("checkpointed_experts.py")
     kept = {line.split("  ")[0].strip(): float(line.split("backward")[1].split("MiB")[0])
             for line in lines if "kept for backward" in line}
     assert set(kept) == {"plain", "checkpoint", "checkpoint + recompute_early"}
@@ -47,23 +86,23 @@ def test_checkpointed_experts():
 
 
 @pytest.mark.timeout(300)
-def test_remote_experts(tmp_path):
+def test_remote_experts():
     """The trainer and its server (a ``serve`` subprocess) share the job
     secret that the example makes, through a private file (mode 600) it
-    removes at exit (its temporary files go to ``tmp_path`` here)."""
-    lines = _run("remote_experts.py", TMPDIR=str(tmp_path))
+    removes at exit (its temporary files go to a TMPDIR of its own here)."""
+    lines, tmp = _run("remote_experts.py")
     assert sum(line.startswith("step ") for line in lines) == 3
     assert lines[-1] == "calls per expert: [3, 3, 3, 3]"
-    left = [f for f in os.listdir(tmp_path) if f.startswith("moe-job-")]
+    left = [f for f in os.listdir(tmp) if f.startswith("moe-job-")]
     assert left == [], left  # the secret file's private directory is gone
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+@pytest.mark.skipif(not HAS_TRANSFORMERS,
                     reason="transformers is not installed: it is the optional extra "
                            "'examples' (pip install -e '.[examples]'); make test installs it")
 def test_mixtral():
-    lines = _run("mixtral.py")
+    lines, _ = _run("mixtral.py")
     assert any(line.startswith("plain:") and "bit-for-bit equal" in line for line in lines)
     assert any(line.startswith("gradient checkpointing:") and "bit-for-bit equal" in line
                for line in lines)
