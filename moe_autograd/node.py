@@ -822,9 +822,9 @@ class _Pass:
             # A call whose gradients the engine never took (backward(inputs=...)
             # naming only tensors it kept): its failure would be lost, and with
             # it the whole gradients it was to hand (see moe_autograd.kept).
-            for i in reversed(self.active):
+            for i in sorted(self._hands - self._taken, reverse=True):
                 error = group.errors[self.position[i]]
-                if error is not None and i in self._hands and i not in self._taken:
+                if error is not None:
                     self._fail()
                     raise error
             return

@@ -3,16 +3,18 @@ RPC) run as the README tells, at their smallest, in fresh interpreters of a
 session of their own: they tell their story, log what they mask, and leave
 no process behind. (``demo --elastic --engine ray``:
 tests/remote/test_ray_demo.py.) About 10 and 17 s on 2 cores; the selected
-demos start together, with the module's first test (15 s for both), and each
-test reads its own."""
+demos start together, with the module's first test (15 s for both; see
+:mod:`started`), and each test reads its own."""
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List
 
 import pytest
+
+from started import Started, selected
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -39,48 +41,36 @@ _DEMOS = {
     "test_elastic_demo_small": (["demo", "--elastic", "--steps", "12", "--quiet",
                                  "--target", "0"], 210.0),
 }
-#: The running demos: their process and start time.
-_RUNS: Dict[str, Tuple["subprocess.Popen[str]", float]] = {}
-
-
-def _kill_session(proc: "subprocess.Popen[str]") -> None:
-    try:
-        os.killpg(proc.pid, 9)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
+#: The running demos, by test.
+_RUNS: Dict[str, Started] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _demos(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Starts the demo of every selected test of this module; kills, at the
-    module's end, any that no test read (the run stopped)."""
+    """Starts the demo of every selected test, each in a session of its own."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_AUTOGRAD")}
-    for item in request.session.items:
-        if getattr(item, "module", None) is request.module and item.name in _DEMOS:
-            proc = subprocess.Popen([sys.executable, "-m", "moe_autograd", *_DEMOS[item.name][0]],
-                                    cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
-            _RUNS[item.name] = (proc, time.monotonic())
+    for name in selected(request):
+        if name in _DEMOS:
+            args, timeout = _DEMOS[name]
+            _RUNS[name] = Started([sys.executable, "-m", "moe_autograd", *args], timeout,
+                                  session=True, cwd=ROOT, env=env, stderr=subprocess.STDOUT)
     yield
-    for proc, _ in _RUNS.values():
-        _kill_session(proc)
+    for run in _RUNS.values():
+        run.kill()
     _RUNS.clear()
 
 
 def _run(test: str) -> str:
     """The output of ``test``'s demo, once it exited 0 and left no process."""
-    proc, started = _RUNS.pop(test)
-    try:
-        out, _ = proc.communicate(timeout=max(1.0, _DEMOS[test][1] - (time.monotonic() - started)))
-    finally:
-        if proc.poll() is None:
-            _kill_session(proc)
+    run = _RUNS.pop(test)
+    out, _, late = run.finish()
+    sid = run.process.pid
     deadline = time.monotonic() + 20
-    while _live_in_session(proc.pid) and time.monotonic() < deadline:
+    while _live_in_session(sid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert _live_in_session(proc.pid) == [], out[-3000:]
-    assert proc.returncode == 0, out[-3000:]
+    assert not late, f"the demo ran past {run.timeout:g} s:\n{out[-3000:]}"
+    assert _live_in_session(sid) == [], out[-3000:]
+    assert run.process.returncode == 0, out[-3000:]
     return out
 
 

@@ -1,65 +1,52 @@
 """Every script in examples/ runs, at its small size (``--small``), in a fresh
 interpreter with a timeout, and prints what it promises.
 
-The selected scripts start together, with the module's first test (they mostly
-import torch and wait on each other's cores: 16.5 s for the four instead of
-26 s one after another, on 2 cores), and each test reads its own."""
+The selected scripts start together, with the module's first test (16.5 s
+for the four instead of 26 s one after another, on 2 cores; see
+:mod:`started`), and each test reads its own."""
 import importlib.util
 import os
-import subprocess
 import sys
-import time
 from typing import Dict, Iterator, List, Tuple
 
 import pytest
 
+from started import Started, selected
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO_ROOT, "examples")
 SCRIPTS = ["checkpointed_experts.py", "mixtral.py", "parallel_backward.py", "remote_experts.py"]
-TIMEOUT_S = 240.0
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
-#: The running scripts: their process, start time and TMPDIR.
-_RUNS: Dict[str, Tuple["subprocess.Popen[str]", float, str]] = {}
-
-
-def _start(script: str, tmp: str) -> None:
-    env = dict(os.environ, TMPDIR=tmp)
-    env.pop("MOE_AUTOGRAD_WORKERS", None)
-    proc = subprocess.Popen([sys.executable, os.path.join(EXAMPLES, script), "--small"],
-                            cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    _RUNS[script] = (proc, time.monotonic(), tmp)
+#: The running scripts, and the TMPDIR of each.
+_RUNS: Dict[str, Tuple[Started, str]] = {}
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _examples(request: pytest.FixtureRequest,
               tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Starts the script of every selected test of this module (``test_x``
-    reads ``x.py``'s run), but mixtral's without its extra; kills, at the
-    module's end, any that no test read (the run stopped)."""
-    for item in request.session.items:
-        script = f"{item.name[len('test_'):]}.py"
-        if getattr(item, "module", None) is request.module and script in SCRIPTS \
-                and (script != "mixtral.py" or HAS_TRANSFORMERS):
-            _start(script, str(tmp_path_factory.mktemp(script[:-len(".py")])))
+    """Starts the script of every selected test (``test_x`` reads ``x.py``),
+    but mixtral's without its extra."""
+    env = {k: v for k, v in os.environ.items() if k != "MOE_AUTOGRAD_WORKERS"}
+    for name in selected(request):
+        script = f"{name[len('test_'):]}.py"
+        if script in SCRIPTS and (script != "mixtral.py" or HAS_TRANSFORMERS):
+            tmp = str(tmp_path_factory.mktemp(script[:-len(".py")]))
+            _RUNS[script] = (Started([sys.executable, os.path.join(EXAMPLES, script), "--small"],
+                                     240.0, cwd=REPO_ROOT, env=dict(env, TMPDIR=tmp)), tmp)
     yield
-    for proc, _, _ in _RUNS.values():
-        proc.kill()
-        proc.communicate()
+    for run, _ in _RUNS.values():
+        run.kill()
     _RUNS.clear()
 
 
 def _run(script: str) -> Tuple[List[str], str]:
     """The script's output lines and its TMPDIR, once it exited 0."""
-    proc, started, tmp = _RUNS.pop(script)
-    try:
-        out, err = proc.communicate(timeout=max(1.0, TIMEOUT_S - (time.monotonic() - started)))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, err = proc.communicate()
-        pytest.fail(f"{script} ran past {TIMEOUT_S:g} s:\n{out}\n{err}")
-    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{out}\n{err}"
+    run, tmp = _RUNS.pop(script)
+    out, err, late = run.finish()
+    assert not late, f"{script} ran past {run.timeout:g} s:\n{out}\n{err}"
+    assert run.process.returncode == 0, \
+        f"{script} exited with {run.process.returncode}:\n{out}\n{err}"
     return out.splitlines(), tmp
 
 

@@ -166,11 +166,12 @@ KNOWN_DIVERGENCES: List[Known] = [
           "leaf); the loop computes",
           lambda c: any("input_inplace" in s.stages and s.x_kind == "nonleaf"
                         for s in c.calls),
-          ("forward", "fail.outcome", "fail.names_call", "inputs", "outputs", "relations",
-           "post.outputs", "grads",
+          ("forward", "fail.outcome", "fail.names_call", "interrupt.outcome", "inputs",
+           "outputs", "relations", "post.outputs", "grads",
            "autograd_grad.values", "input_versions", "post.versions", "backward", "hooks",
            "after_step"), ("value", "unexpected_error", "missing_error"),
-          witnesses=((0, 84), (0, 250), (0, 577))),
+          # (1795861263, 5156): that error comes before a later call's interruption
+          witnesses=((0, 84), (0, 250), (0, 577), (1795861263, 5156))),
     Known("D19b-expert-sees-non-leaf-input-as-leaf",
           "a non-leaf input is seen by the expert as a leaf (is_leaf True, grad_fn None), "
           "also under no_grad / inference_mode where nothing needs isolating",

@@ -9,7 +9,6 @@ printed, so a failing run replays).
 import json
 import os
 import random
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import faults
+from started import Started
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -25,38 +25,31 @@ _ABORTS = ("terminate called", "FATAL: exception not rethrown", "Aborted", "core
 
 
 class _Trainer:
-    """A trainer process running plans (see :func:`run_plans`), started now,
-    its report read by :meth:`finish`."""
+    """A trainer process running plans (see :func:`run_plans`), started now
+    (:class:`started.Started`), its report read by :meth:`finish`."""
 
     def __init__(self, plans: List[faults.Plan], seed: int, workdir: Path,
-                 engine: str) -> None:
+                 engine: str, timeout: float) -> None:
         spec = workdir / "plans.json"
         spec.write_text(json.dumps({"seed": seed, "plans": [p.to_json() for p in plans]}))
         self.report = workdir / "report.json"
-        self.started = time.monotonic()
         entry = (f"import sys; sys.path[:0] = [{str(HERE)!r}, {str(ROOT)!r}]; import faults; "
                  "sys.exit(faults.trainer_main(sys.argv[1:]))")
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(ROOT), str(HERE), os.environ.get("PYTHONPATH", "")]))
         env.pop("MOE_AUTOGRAD_WORKERS", None)
         env.setdefault("PYTHONFAULTHANDLER", "1")
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", entry, str(spec), str(self.report), engine],
-            cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.run = Started([sys.executable, "-c", entry, str(spec), str(self.report), engine],
+                           timeout, cwd=str(ROOT), env=env)
 
-    def finish(self, timeout: float) -> Tuple[Dict[str, Any], int, str]:
-        """Its report, exit status and output (killed after ``timeout`` s from
-        its start: then the report says so)."""
-        left = max(1.0, timeout - (time.monotonic() - self.started))
-        try:
-            out, err = self.process.communicate(timeout=left)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            out, err = self.process.communicate()
+    def finish(self) -> Tuple[Dict[str, Any], int, str]:
+        """Its report, exit status and output (killed past its time limit,
+        from its start: then the report says so)."""
+        out, err, _ = self.run.finish()
         data = json.loads(self.report.read_text()) if self.report.exists() \
             else {"problems": ["no report"]}
-        data["wall_s"] = time.monotonic() - self.started
-        return data, self.process.returncode, out + err
+        data["wall_s"] = time.monotonic() - self.run.started
+        return data, self.run.process.returncode, out + err
 
 
 def run_plans(plans: List[faults.Plan], seed: int, workdir: Path,
@@ -64,7 +57,7 @@ def run_plans(plans: List[faults.Plan], seed: int, workdir: Path,
     """Runs the trainer on ``plans`` over ``engine`` (``rpc``: a torch RPC
     world; ``ray``: a local Ray instance of its own); returns its report,
     exit status and output."""
-    return _Trainer(plans, seed, workdir, engine).finish(timeout)
+    return _Trainer(plans, seed, workdir, engine, timeout).finish()
 
 
 def _summary(report: Dict[str, Any], status: int, output: str) -> str:
@@ -92,8 +85,7 @@ def _no_trainer_left() -> Iterator[None]:
     """A trainer no test read (deselected, or the run stopped): killed."""
     yield
     for trainer in _FIXED.values():
-        trainer.process.kill()
-        trainer.process.communicate()
+        trainer.run.kill()
     _FIXED.clear()
 
 
@@ -114,8 +106,9 @@ def fixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         for name in _selected_engines(request) or [engine]:
             if name not in _FIXED and (name != "ray" or ray_ok):
                 _FIXED[name] = _Trainer(faults.FIXED_PLANS, 1800,
-                                        tmp_path_factory.mktemp(f"fixed-plans-{name}"), name)
-    return _FIXED.pop(engine).finish(240)
+                                        tmp_path_factory.mktemp(f"fixed-plans-{name}"), name,
+                                        240.0)
+    return _FIXED.pop(engine).finish()
 
 
 @pytest.mark.timeout(300)
