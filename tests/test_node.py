@@ -712,7 +712,7 @@ def test_a_release_of_a_running_call_waits_for_its_backward_to_end() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_a_token_dying_on_a_worker_mid_pass_releases_its_call_off_that_worker(
+def test_a_token_dying_on_a_worker_mid_pass_never_waits_there_for_its_call(
         fresh_pool: Any) -> None:
     """A garbage collection inside a call on a pool worker can run the
     finalizer of another call's token (``plan.finalized``) while that call
