@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo bench zoo fuzz compat mutate mutate-report venv clean
+.PHONY: test demo bench zoo latest fuzz compat mutate mutate-report venv clean
 
 venv: $(STAMP)
 
@@ -57,6 +57,14 @@ compat:
 # Every case of the transformers zoo (tests/moe/test_zoo_*.py); make test runs a subset.
 zoo: $(STAMP)
 	MOE_AUTOGRAD_ZOO=all $(PY) -m pytest tests/moe/test_zoo_*.py
+
+# The zoo and the Ray tests on the newest releases of what the test extra
+# bounds (transformers, accelerate, ray), in a venv of their own under
+# LATEST_DIR: a report of each new family (supported, refused by name, not
+# built, failing) and of every known case that fails (tools/latest.sh).
+LATEST_DIR ?= $(HOME)/.cache/moe_autograd/latest
+latest:
+	tools/latest.sh $(LATEST_DIR)
 
 # Mutation testing (tools/mutate.py, mutmut): SHARD=all (default) runs every
 # shard, smallest first; SHARD=remote-state etc. one alone (`python

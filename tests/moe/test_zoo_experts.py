@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zoo_helpers import (
-    assert_same, assert_same_grads, experts_classes, grads, tiny_experts,
+    assert_same, assert_same_grads, experts_classes, grads, is_new, skip_if_new, tiny_experts,
 )
 
 from moe_autograd.moe.hf_experts import (
@@ -26,10 +26,18 @@ PRECISIONS = {  # name: (dtype of the tokens and weights, dtype of the routing w
 }
 
 
+def _top_ks(cls):
+    """The top-k of its cases: 1 for a loop that takes one route per row."""
+    try:
+        return (1,) if eager_loop(cls).single_route else (2, 4)
+    except NotImplementedError:  # refused: the test checks the refusal
+        return (2, 4)
+
+
 def _cases():
     for cls in experts_classes():
         for precision in PRECISIONS:
-            for k in (2, 4):
+            for k in _top_ks(cls):
                 yield pytest.param(cls, precision, k, id=f"{cls.__name__}-{precision}-k{k}")
 
 
@@ -68,22 +76,30 @@ def test_experts_class_equals_its_eager_loop(experts_class, precision, k):
         assert experts_class.__name__ in str(error)
         with pytest.raises(NotImplementedError, match=experts_class.__name__):
             ours(x, index, weights)
+        skip_if_new(experts_class.__name__, "refused by name", error)
         return
     y, x_grad, w_grad, p_grads = _run(ours, x, index, weights, g)
     y0, x_grad0, w_grad0, p_grads0 = _run(stock, x, index, weights, g)
     what = f"{experts_class.__name__} {precision} k={k}"
     assert_same(y, y0, f"{what}: output")
     assert_same(x_grad, x_grad0, f"{what}: gradient of the tokens")
-    assert_same(w_grad, w_grad0, f"{what}: gradient of the routing weights")
+    if w_grad0 is None:  # a loop that ignores the weights (ErgoExpertProjections)
+        assert w_grad is None, f"{what}: the routing weights have a gradient, stock none"
+    else:
+        assert_same(w_grad, w_grad0, f"{what}: gradient of the routing weights")
     assert_same_grads(p_grads, p_grads0, what)
 
 
 def test_the_zoo_is_the_whole_zoo():
-    """Every dispatchable class is found, and every one has a known loop."""
+    """Every dispatchable class is found, and every one the zoo knows has a
+    known loop (a newer release's new classes: tests skip them, make latest
+    reports them)."""
     classes = experts_classes()
     assert len(classes) >= 60 and any(c.__name__ == "MixtralExperts" for c in classes)
     unknown = []
     for cls in classes:
+        if is_new(cls.__name__):
+            continue
         try:
             eager_loop(tiny_experts(cls, "eager"))
         except NotImplementedError as error:
@@ -129,3 +145,15 @@ def test_set_experts_implementation_switches_back_when_it_refuses():
     with pytest.raises(NotImplementedError, match="Llama4TextExperts.*cannot dispatch"):
         set_experts_implementation(model)
     assert model.get_experts_implementation() == before
+
+
+def test_only_a_family_or_class_a_newer_release_brings_is_skipped():
+    """A known family or class that fails still fails (the caller re-raises);
+    a new one is skipped with what could not be done and why."""
+    error = ValueError("heads\nmore")
+    with pytest.raises(pytest.skip.Exception, match=r"new in transformers .*: zeta_moe: "
+                       r"the tiny builder cannot make it: ValueError: heads$"):
+        skip_if_new("zeta_moe", "the tiny builder cannot make it", error)
+    for known in ("mixtral", "MixtralExperts"):
+        assert not is_new(known)
+        skip_if_new(known, "the tiny builder cannot make it", error)  # returns
