@@ -23,7 +23,12 @@ Invariants:
   failure, on whichever thread it ran, and cancels the group's pending calls
   (all later ones), as a loop stops there; a waiting caller interrupted in
   its sleep cancels them too and joins the running ones before the
-  interruption leaves. Either way the batch is joined before anything is
+  interruption leaves. A waiting caller sleeps in slices of
+  :data:`WAIT_SLICE_S`: Python runs a signal handler only between bytecodes,
+  and a signal that lands after the last check and before the thread blocks
+  interrupts nothing (the wait goes on), so without slices Ctrl-C could wait
+  for the whole batch (issue 43: the executor test that saw ``[1, 2]``).
+  Either way the batch is joined before anything is
   raised, so no call of it runs on once the caller has the error, and
   :meth:`TaskGroup.raise_first_error` raises the first error in call order,
   as the loop would.
@@ -84,6 +89,9 @@ _PENDING, _RUNNING, _DONE, _CANCELLED = range(4)
 _thread_role = threading.local()  # .worker is True on the pool's threads
 DEFAULT_WORKERS = 32
 EXIT_TIMEOUT_S = 2.0  # how long the exit hook waits for stragglers to stop
+#: The longest a waiting caller sleeps before it looks at pending signals
+#: again (see the module docstring).
+WAIT_SLICE_S = 0.1
 
 
 class _StopAtExit(SystemExit):
@@ -273,12 +281,12 @@ class TaskGroup(Generic[T]):
         deadline = None if timeout is None else time.monotonic() + timeout
         while not ready():
             if deadline is None:
-                self._cond.wait()
+                self._cond.wait(WAIT_SLICE_S)  # a slice: pending signals are handled between
                 continue
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            self._cond.wait(left)
+            self._cond.wait(min(left, WAIT_SLICE_S))
         return True
 
     def cancel(self, why: str = "cancelled before it started: the deadline passed") -> None:

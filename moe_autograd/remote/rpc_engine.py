@@ -35,6 +35,13 @@ Invariants:
   end, and if some have not, the local agent is shut down without waiting
   (``rpc.shutdown(graceful=False)``). The agent is left alone when nothing
   is in flight, or when the script shut RPC down itself.
+* A request counts as in flight until the agent's thread has run every
+  Python callback of its future: each future has ONE done callback
+  (:class:`_RpcPending`), which runs the callbacks added to it and leaves
+  ``_in_flight`` last. (With one torch callback per Python callback, the
+  first one left ``_in_flight``, the exit hook saw nothing in flight and
+  the interpreter began to finalise while the agent's thread waited for the
+  GIL to run the next: status -6 in about 1 exit in 30, issue 43.)
 """
 import atexit
 import itertools
@@ -125,12 +132,35 @@ class _RpcPending:
     would wait for the reply) and where a daemon thread cannot be stopped at
     exit; so the waiter sleeps on a :class:`threading.Lock` (released by a
     done callback on the agent's thread) in slices of :data:`WAIT_SLICE_S`,
-    and calls ``wait()`` only once the future is done."""
+    and calls ``wait()`` only once the future is done.
 
-    __slots__ = ("_future",)
+    The future has one done callback, :meth:`_fire`: it runs every callback
+    added here, in order, then takes the request out of ``_in_flight`` (see
+    the module docstring's last invariant)."""
+
+    __slots__ = ("_future", "_key", "_lock", "_callbacks", "_fired")
 
     def __init__(self, future: Any) -> None:
         self._future = future
+        self._key = next(_keys)
+        self._lock = threading.Lock()
+        self._callbacks: List[Callable[[], None]] = []
+        self._fired = False
+        _in_flight[self._key] = future
+        future.add_done_callback(self._fire)  # runs here at once if already done
+
+    def _fire(self, _: Any = None) -> None:
+        try:
+            with self._lock:
+                self._fired = True
+                callbacks, self._callbacks = self._callbacks, []
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - one callback's error must not skip the rest
+                    pass
+        finally:
+            _in_flight.pop(self._key, None)
 
     def done(self) -> bool:
         return bool(self._future.done())
@@ -138,14 +168,18 @@ class _RpcPending:
     def add_done_callback(self, fn: Callable[[], None]) -> None:
         # Runs on the agent's thread that completes the future (or here, if
         # done): ``fn`` must not block.
-        self._future.add_done_callback(lambda _: fn())
+        with self._lock:
+            if not self._fired:
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def result(self, timeout: Optional[float]) -> Frame:
         future = self._future
         if not future.done():
             ready = threading.Lock()  # held until the done callback releases it
             ready.acquire()
-            future.add_done_callback(lambda _: ready.release())
+            self.add_done_callback(ready.release)
             deadline = None if timeout is None else time.monotonic() + timeout
             while True:
                 left = WAIT_SLICE_S if deadline is None else min(WAIT_SLICE_S,
@@ -177,12 +211,6 @@ def _agent_seconds(limit: float) -> float:
 _in_flight: Dict[int, Any] = {}  # futures not done yet (dict ops: GIL-atomic)
 _keys = itertools.count()
 _exiting = threading.Event()  # set by the exit hook: no new request from then on
-
-
-def _track(future: Any) -> None:
-    key = next(_keys)
-    _in_flight[key] = future
-    future.add_done_callback(lambda _: _in_flight.pop(key, None))
 
 
 def in_flight() -> int:
@@ -251,7 +279,6 @@ class RpcTransport:
                                    timeout=rpc_timeout)
         except Exception as error:  # noqa: BLE001 - unknown worker, not initialised
             raise TransportSendError(f"{type(error).__name__}: {error}") from error
-        _track(future)
         return _RpcPending(future)
 
     def timeout_hint(self) -> str:
