@@ -248,7 +248,12 @@ class RemoteCall(torch.autograd.Function):
 
 
 def _wire(value: Any) -> Any:
-    return value.detach().cpu() if isinstance(value, Tensor) else value
+    """``value`` as it travels: a tensor detached on the CPU. A meta tensor
+    stays as it is (nothing to copy: :func:`wire.check_value` refuses it
+    by name, before any allocation of its declared size)."""
+    if isinstance(value, Tensor) and not value.is_meta:
+        return value.detach().cpu()
+    return value
 
 
 def _same(value: Any) -> Any:
@@ -377,8 +382,15 @@ class RemoteExpert(nn.Module):
     def _wire_args(self, what: str, args: Sequence[Any]) -> List[Any]:
         """``args`` as they travel: tensors detached on the CPU; raises
         ``TypeError`` naming the call for what cannot travel."""
-        sent = [_wire(a) for a in args]
-        wire.check_value(sent, f"the arguments of {self._where(what)}: argument list")
+        where = f"the arguments of {self._where(what)}: argument list"
+        wire.check_value(list(args), where)  # before any copy: a meta tensor allocates nothing
+        sent = []
+        for k, a in enumerate(args):
+            try:
+                sent.append(_wire(a))
+            except (RuntimeError, NotImplementedError) as error:  # a device with no CPU copy
+                raise wire.WireTypeError(f"{where}[{k}] cannot be copied to the CPU to travel: "
+                                         f"{type(error).__name__}: {error}") from error
         return self._packed(sent)
 
     def _packed(self, tensors: List[Any]) -> List[Any]:
@@ -488,6 +500,7 @@ class RemoteExpert(nn.Module):
     def load_remote_state_dict(self, state_dict: Dict[str, Tensor]) -> None:
         """Loads ``state_dict`` into the hosted module: all of it or, on any
         error (keys, shapes, types), nothing."""
+        wire.check_value(state_dict, f"the payload of {self._where('load_state_dict')}")
         self._control("load_state_dict", {k: _wire(v) for k, v in state_dict.items()})
 
     def remote_stats(self) -> Dict[str, Any]:

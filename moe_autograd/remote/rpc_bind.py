@@ -20,6 +20,15 @@ stay closed, and the first defence is not to listen where strangers are:
 recipes use it, so a world started as written listens on loopback unless an
 address is named.
 
+A static world (``world_size`` given) forms only once every rank has come:
+torch's ``init_rpc`` then waits in silence for its process group's timeout
+(30 minutes), so a trainer started before its servers printed nothing
+(issue 43). :func:`start_rpc` first has every rank sign in at the store
+(:func:`await_members`): it logs a WARNING naming the ranks still missing
+after :data:`ARRIVAL_NOTICE_S` seconds, and raises ``TimeoutError`` naming
+them once the options' ``rpc_timeout`` has passed. Every member of a static
+world must therefore start with :func:`start_rpc` (``serve`` does).
+
 Invariants:
 
 * A store started by :func:`host_store` listens on ``host`` only (tested by
@@ -37,17 +46,22 @@ text); every other warning is left as it is.
 import datetime
 import fcntl
 import ipaddress
+import logging
 import os
 import re
 import socket
 import struct
+import time
 import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 __all__ = ["host_store", "bind_interface", "interface_for", "start_rpc", "backend_options",
-           "is_loopback", "store_address", "IFNAME_ENV"]
+           "is_loopback", "store_address", "await_members", "IFNAME_ENV", "ARRIVAL_NOTICE_S"]
 
 IFNAME_ENV = "TP_SOCKET_IFNAME"
+ARRIVAL_NOTICE_S = 5.0  # a rank still waiting for the others says so after this long
+_ARRIVED = "moe_autograd_arrived/"  # + rank: a member of a static world signed in
+_log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup",
                         category=UserWarning)  # torch's own init_rpc (see the docstring)
 _SIOCGIFADDR = 0x8915
@@ -159,14 +173,59 @@ def store_address(init_method: str) -> Tuple[str, int]:
     return match.group("host"), int(match.group("port"))
 
 
+def await_members(name: str, rank: int, world_size: int, host: str, port: int,
+                  timeout: float, *, clock: Any = time.monotonic, pause: Any = time.sleep,
+                  notice: float = ARRIVAL_NOTICE_S) -> None:
+    """Signs ``rank`` in at the world's store and waits until every rank of
+    ``world_size`` has (see the module docstring); raises ``TimeoutError``
+    naming the missing ranks after ``timeout`` seconds."""
+    import torch.distributed as dist
+
+    where = f"tcp://{host}:{port}"
+    started = clock()
+    store = _stores.get(port) if rank == 0 else None
+    if store is None:
+        try:
+            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
+        except Exception as error:  # noqa: BLE001 - torch's DistStoreError, RuntimeError...
+            raise TimeoutError(f"start_rpc({name!r}, rank {rank}): cannot reach the world's "
+                               f"store at {where} within {timeout:g} s (the options' "
+                               f"rpc_timeout): is rank 0 started, with this address and "
+                               f"port? ({type(error).__name__}: {error})") from error
+    store.set(f"{_ARRIVED}{rank}", name)
+    keys = [f"{_ARRIVED}{r}" for r in range(world_size)]
+    next_notice = started + notice
+    while True:
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return
+        now = clock()
+        if now - started >= timeout:
+            raise TimeoutError(
+                f"start_rpc({name!r}, rank {rank}): rank(s) {missing} of the world of "
+                f"{world_size} at {where} did not come within {timeout:g} s (the options' "
+                f"rpc_timeout): start them (python -m moe_autograd serve ... --rank R "
+                f"--world-size {world_size}, or start_rpc), with the same address and port")
+        if now >= next_notice:
+            _log.warning("start_rpc(%r, rank %d): waiting for rank(s) %s of the world of %d "
+                         "at %s (%.0f s so far; giving up after %g s)", name, rank, missing,
+                         world_size, where, now - started, timeout)
+            next_notice = now + 30.0
+        pause(0.05)
+
+
 def start_rpc(name: str, rank: int, world_size: Optional[int], options: Any) -> None:
     """``rpc.init_rpc(name, rank, world_size, options)``, listening only where
     the world is (see the module docstring): rank 0 hosts the store on the
-    store's host; every rank's TensorPipe binds the interface facing it."""
+    store's host; every rank's TensorPipe binds the interface facing it. In a
+    static world, every rank first waits for the others at the store, at
+    most the options' ``rpc_timeout`` (:func:`await_members`)."""
     from torch.distributed import rpc
 
     host, port = store_address(options.init_method)
     bind_interface(host)
     if rank == 0:
         host_store(host, port)
+    if world_size is not None and world_size > 1:
+        await_members(name, rank, world_size, host, port, float(options.rpc_timeout))
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

@@ -153,6 +153,9 @@ class _Encoder:
                 else msgpack.ExtType(_PACKED, packed)
         if type(obj) is tuple:
             return msgpack.ExtType(_TUPLE, self.pack(list(obj)))
+        if type(obj) is int:  # msgpack hands over the ints it cannot pack
+            raise WireTypeError(f"an int outside 64 bits ({obj}) cannot travel: the wire "
+                                f"carries ints from {-MAX_INT - 1} to {MAX_INT}")
         raise WireTypeError(f"a {type(obj).__module__}.{type(obj).__qualname__} cannot travel: "
                             "messages carry tensors, numbers, strings, bytes, bools, None and "
                             "lists, tuples and str-keyed dicts of them")

@@ -202,6 +202,45 @@ def test_arguments_that_cannot_travel_are_refused_before_sending(limited: Any,
     assert sent == [] and a.calls == 0
 
 
+@pytest.mark.parametrize("args,refusal", [
+    ((torch.empty(2 ** 40, WIDTH, device="meta"),),             # 2**40 rows: no allocation
+     "argument list[0] is a meta tensor: it has no data to send"),
+    ((torch.empty(2, WIDTH, device="meta"),),
+     "argument list[0] is a meta tensor: it has no data to send"),
+    ((torch.randn(4, WIDTH), 2 ** 80),                          # a seed beyond 64 bits
+     f"argument list[1] is an int outside 64 bits ({2 ** 80})"),
+    ((torch.randn(4, WIDTH), [-(2 ** 63) - 1]),
+     f"argument list[1][0] is an int outside 64 bits ({-(2 ** 63) - 1})"),
+], ids=["huge-meta", "meta", "int-2**80", "nested-int"])
+def test_bad_arguments_are_refused_by_name_before_any_copy_or_send(limited: Any, args: Any,
+                                                                   refusal: str) -> None:
+    """Issue 43: a meta tensor was copied to the CPU before it was checked (a
+    35 TB allocation for 2**40 x 8, NotImplementedError for a small one). A
+    TypeError names the call and the argument, and nothing is sent."""
+    a, _ = limited
+    sent: List[str] = []
+
+    class Recording(InProcess):
+        def call(self, worker: str, frame: Any, timeout: Any) -> Any:
+            sent.append(frame.label)
+            return super().call(worker, frame, timeout)
+    expert = RemoteExpert(HERE, "lim_a", transport=Recording(HERE))
+    with pytest.raises(TypeError) as info:
+        expert(*args)
+    assert str(info.value) == f"the arguments of forward of expert 'lim_a' on worker {HERE!r}: " \
+        f"{refusal}"
+    assert sent == [] and a.calls == 0
+
+
+def test_an_int_beyond_64_bits_is_refused_by_its_range_by_the_encoder() -> None:
+    """Values that reach the encoder without check_value (a message of our
+    own): the range is named, not the type."""
+    with pytest.raises(TypeError, match=r"^an int outside 64 bits \(1208925819614629174706176\) "
+                       r"cannot travel: the wire carries ints from -9223372036854775808 to "
+                       r"9223372036854775807$"):
+        wire.encode({"seed": 2 ** 80})
+
+
 @pytest.mark.parametrize("k", range(len(NESTINGS)), ids=NESTINGS)
 def test_nested_tensors_count_against_the_state_limit(k: int) -> None:
     module = CountingLinear()

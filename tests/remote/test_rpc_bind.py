@@ -90,3 +90,75 @@ def test_a_hosted_store_listens_on_its_host_only() -> None:
     assert mine == [f"127.0.0.1:{port}"], mine
     store.set("k", "v")
     assert store.get("k") == b"v"
+
+
+# -- a static world's members wait for each other, and say so (issue 43) ----------------
+
+class _Clock:
+    """A fake clock: each pause moves it on."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pause(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_rank_whose_peers_never_come_says_so_then_names_them(caplog) -> None:
+    """The trainer of the two-machine recipe started with no server: a
+    WARNING naming the missing rank after ARRIVAL_NOTICE_S, then a
+    TimeoutError naming it at the options' rpc_timeout (was: silent until
+    torch's 30-minute process-group timeout)."""
+    from moe_autograd.remote.loopback import free_port
+
+    port = free_port()
+    rpc_bind.host_store("127.0.0.1", port)
+    clock = _Clock()
+    with caplog.at_level("WARNING", logger="moe_autograd.remote.rpc_bind"), \
+            pytest.raises(TimeoutError) as info:
+        rpc_bind.await_members("trainer", 0, 3, "127.0.0.1", port, 60.0, clock=clock,
+                               pause=clock.pause)
+    assert str(info.value) == (
+        f"start_rpc('trainer', rank 0): rank(s) [1, 2] of the world of 3 at "
+        f"tcp://127.0.0.1:{port} did not come within 60 s (the options' rpc_timeout): start "
+        f"them (python -m moe_autograd serve ... --rank R --world-size 3, or start_rpc), with "
+        f"the same address and port")
+    assert 60.0 <= clock.now < 60.2
+    notices = [r.getMessage() for r in caplog.records]
+    assert len(notices) == 2 and all("waiting for rank(s) [1, 2] of the world of 3" in n
+                                     for n in notices), notices  # at 5 s and at 35 s
+
+
+def test_ranks_that_all_come_go_on() -> None:
+    import threading
+
+    from moe_autograd.remote.loopback import free_port
+
+    port = free_port()
+    rpc_bind.host_store("127.0.0.1", port)
+    errors: List[BaseException] = []
+
+    def member(rank: int) -> None:
+        try:
+            rpc_bind.await_members(f"m{rank}", rank, 3, "127.0.0.1", port, 30.0)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+    threads = [threading.Thread(target=member, args=(r,)) for r in (2, 1, 0)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+def test_a_rank_that_finds_no_store_names_it() -> None:
+    from moe_autograd.remote.loopback import free_port
+
+    port = free_port()
+    with pytest.raises(TimeoutError, match=rf"^start_rpc\('server', rank 1\): cannot reach the "
+                       rf"world's store at tcp://127.0.0.1:{port} within 1 s \(the options' "
+                       rf"rpc_timeout\): is rank 0 started"):
+        rpc_bind.await_members("server", 1, 2, "127.0.0.1", port, 1.0)
