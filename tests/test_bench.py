@@ -32,6 +32,19 @@ def test_quick_overhead_row(capsys: pytest.CaptureFixture[str]) -> None:
     assert "torch" in out and "MOE_AUTOGRAD_WORKERS" in out
 
 
+@pytest.mark.timeout(60)
+def test_a_failing_group_fails_the_run_after_the_whole_table(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 43: ``bench --quick`` printed a group's error and exited 0."""
+    def broken(quick: bool) -> list:
+        raise RuntimeError("no world")
+    monkeypatch.setitem(bench.GROUPS, "overhead", broken)
+    assert bench.main(["--quick", "--only", "overhead"]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED: RuntimeError: no world" in captured.out
+    assert "[bench] 1 group(s) failed: overhead" in captured.err
+
+
 @pytest.mark.timeout(120)
 def test_cli_markdown(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["bench", "--quick", "--only", "overhead", "--markdown"]) == 0

@@ -314,6 +314,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                  profile_dir=args.profile_dir)
     formatter = format_markdown if args.markdown else format_text
     print(formatter(info, rows, notes), flush=True)
+    failed = [r.name for r in rows if r.note.startswith("FAILED")]
+    if failed:  # the table is printed whole; the run still fails (issue 43)
+        progress(f"{len(failed)} group(s) failed: {', '.join(failed)}")
+        return 1
     return 0
 
 

@@ -51,7 +51,7 @@ import os
 import signal
 import sys
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Sequence
 
 from ..logs import configure_cli
 
@@ -161,15 +161,44 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _UsageError(Exception):
+    """A refusal of the command line or its set-up: its message says what
+    to do; ``main`` prints it (no usage dump: the message is the help) and
+    exits 2."""
+
+
+def _usage_error(message: str) -> NoReturn:
+    raise _UsageError(message)
+
+
 def _secret(args: argparse.Namespace) -> JobSecret:
     """The job's secret from ``--secret-file`` or the environment; exits 2
     with what to do if there is none."""
     try:
         secret = JobSecret.from_file(args.secret_file) if args.secret_file else job_secret()
     except (MissingSecretError, PermissionError, ValueError) as error:
-        build_parser().error(str(error))
+        _usage_error(str(error))
     set_job_secret(secret)
     return secret
+
+
+def _experts(spec: str) -> Mapping[str, Any]:
+    """What the ``--experts`` factory builds; a clear refusal naming it when
+    it cannot be imported, fails or returns something else."""
+    try:
+        factory = load_object(spec)
+    except (ImportError, AttributeError, ValueError) as error:
+        _usage_error(f"--experts {spec}: cannot load the factory: {type(error).__name__}: "
+                     f"{error} (it must be 'package.module:function', importable from this "
+                     f"directory or PYTHONPATH)")
+    try:
+        experts = factory()
+    except Exception as error:  # noqa: BLE001 - the user's factory: named, not a traceback
+        _usage_error(f"--experts {spec}: the factory failed: {type(error).__name__}: {error}")
+    if not isinstance(experts, Mapping):
+        _usage_error(f"--experts {spec} returned {type(experts).__name__}, not a dict of "
+                     f"name -> nn.Module")
+    return experts
 
 
 # By name, not __name__: run as ``python -m moe_autograd.remote.cli`` this
@@ -239,21 +268,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args_list = args_list[1:]
     args = build_parser().parse_args(args_list)
     configure_cli("moe_autograd serve")
+    try:
+        return _serve(args)
+    except _UsageError as error:
+        print(f"python -m moe_autograd serve: error: {error}\n(python -m moe_autograd serve "
+              f"--help lists the options)", file=sys.stderr, flush=True)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
     if args.engine == "ray":
         if args.join or args.world_size:
-            build_parser().error("--engine ray takes no --join or --world-size: Ray's own "
-                                 "membership places the server")
+            _usage_error("--engine ray takes no --join or --world-size: Ray's own "
+                         "membership places the server")
         return _serve_on_ray(args)
     if args.rank is None and not args.join:
-        build_parser().error("--rank (or $RANK) is required (or --join)")
+        _usage_error("--rank (or $RANK) is required (or --join)")
     secret = _secret(args)
     from torch.distributed import rpc
 
     from .server import ExpertServer
 
-    experts = load_object(args.experts)()
-    if not isinstance(experts, Mapping):
-        raise TypeError(f"{args.experts} returned {type(experts).__name__}, not a dict")
+    experts = _experts(args.experts)
     optimizer = load_object(args.optimizer) if args.optimizer else None
     name = args.name or f"expert-server-{args.rank}"
     extra = {"_transports": args.transports.split(",")} if args.transports else {}
@@ -332,12 +368,16 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
         try:
             resources = json.loads(args.resources)
         except ValueError as error:
-            build_parser().error(f"--resources must be a JSON object, got {args.resources!r} "
-                                 f"({error})")
+            _usage_error(f"--resources must be a JSON object, got {args.resources!r} ({error})")
         if not isinstance(resources, dict):
-            build_parser().error(f"--resources must be a JSON object, got {args.resources!r}")
+            _usage_error(f"--resources must be a JSON object, got {args.resources!r}")
     address = args.address or os.environ.get("RAY_ADDRESS") or "auto"
     name = args.name or f"expert-server-{os.getpid()}"
+    try:  # before connecting: a process without the token hears this, not Ray's retries
+        require_token_auth(args.insecure, "serve --engine ray")
+    except RayAuthError as error:
+        _fail(str(error))
+        return 2
     # The actor's process must import the experts factory as this one does.
     path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
     try:

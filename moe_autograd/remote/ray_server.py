@@ -228,6 +228,37 @@ def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret, Optional
     return path, secret, path
 
 
+def _check_placement(ray: Any, name: str, num_gpus: float,
+                     resources: Optional[Mapping[str, float]], on_node: Optional[str]) -> None:
+    """Raises ``ValueError`` naming the resource that no live node (of those
+    ``on_node`` allows) has as much of as asked, before Ray is asked: Ray
+    would keep the actor pending (RayExpertServer: until ``ready_timeout``)
+    or fail a node-affinity placement with its own words (issue 43)."""
+    wanted = {k: float(v) for k, v in (resources or {}).items()}
+    if num_gpus:
+        wanted["GPU"] = float(num_gpus)
+    if not wanted:
+        return
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    node = ray.get_runtime_context().get_node_id() if on_node == "here" else on_node
+    allowed = alive if node is None else [n for n in alive if n.get("NodeID") == node]
+    where = "any live node of the cluster" if node is None else (
+        "this process's node" if on_node == "here" else f"node {node}")
+    for key, amount in sorted(wanted.items()):
+        if any(n.get("Resources", {}).get(key, 0.0) >= amount for n in allowed):
+            continue
+        elsewhere = any(n.get("Resources", {}).get(key, 0.0) >= amount for n in alive)
+        has = sorted({k for n in allowed for k in n.get("Resources", {})
+                      if not k.startswith("node:")})
+        hint = ("another node has it: let Ray place the actor there ('serve --engine ray "
+                "--anywhere', RayExpertServer(..., on_node=None))" if elsewhere else
+                f"start a node that advertises it ('ray start ... --resources='"
+                f"{{\"{key}\": N}}'', on one machine the head itself: 'ray start --head "
+                f"--resources=...'), or ask for no {key!r}")
+        raise ValueError(f"cannot start Ray expert server {name!r}: {where} has no "
+                         f"{amount:g} of the resource {key!r} (it has {has}); {hint}")
+
+
 class RayExpertServer:
     """Starts an expert server as a named Ray actor, and stands for it.
 
@@ -289,6 +320,7 @@ class RayExpertServer:
             raise RuntimeError("Ray is not initialised in this process: call "
                                "ray.init(address=...) before starting a RayExpertServer")
         require_token_auth(allow_unauthenticated, f"RayExpertServer {name!r}")
+        _check_placement(ray, name, num_gpus, resources, on_node)  # (no secret copy made yet)
         secret_path, self.secret, self._private_copy = _secret_source(secret_file)
         self.name, self.namespace = name, namespace
         self._transport = RayTransport(namespace, timeout=self._ready_timeout,

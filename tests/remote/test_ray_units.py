@@ -214,3 +214,53 @@ def test_a_private_copy_of_the_secret_is_removed_once_its_actors_have_read_it(
     finally:
         set_job_secret(previous)
         ray_server._remove_private_dirs()
+
+
+# -- placement asked for that no node can give (issue 43) ---------------------------------
+
+class _FakeRay:
+    """``ray.nodes()`` and this process's node id, as Ray reports them."""
+
+    def __init__(self, nodes, here):  # type: ignore[no-untyped-def]
+        self._nodes, self._here = nodes, here
+
+    def nodes(self):  # type: ignore[no-untyped-def]
+        return self._nodes
+
+    def get_runtime_context(self):  # type: ignore[no-untyped-def]
+        here = self._here
+        return type("Context", (), {"get_node_id": lambda self: here})()
+
+
+_HEAD = {"NodeID": "head", "Alive": True,
+         "Resources": {"CPU": 2.0, "memory": 1e9, "node:127.0.0.1": 1.0}}
+_EXPERTS = {"NodeID": "b", "Alive": True, "Resources": {"CPU": 2.0, "experts": 4.0}}
+_DEAD = {"NodeID": "c", "Alive": False, "Resources": {"CPU": 2.0, "experts": 4.0}}
+
+
+def test_a_resource_no_node_has_is_named_with_how_to_get_it() -> None:
+    from moe_autograd.remote.ray_server import _check_placement
+
+    ray = _FakeRay([_HEAD, _DEAD], "head")
+    with pytest.raises(ValueError) as info:
+        _check_placement(ray, "server-b", 0.0, {"experts": 1}, None)
+    assert str(info.value) == (
+        "cannot start Ray expert server 'server-b': any live node of the cluster has no 1 of "
+        "the resource 'experts' (it has ['CPU', 'memory']); start a node that advertises it "
+        "('ray start ... --resources='{\"experts\": N}'', on one machine the head itself: "
+        "'ray start --head --resources=...'), or ask for no 'experts'")
+    with pytest.raises(ValueError, match="this process's node has no 1 of the resource 'GPU'"):
+        _check_placement(ray, "server-b", 1.0, None, "here")
+
+
+def test_a_resource_only_another_node_has_names_anywhere() -> None:
+    from moe_autograd.remote.ray_server import _check_placement
+
+    ray = _FakeRay([_HEAD, _EXPERTS], "head")
+    with pytest.raises(ValueError, match=r"this process's node has no 1 of the resource 'experts' "
+                       r"\(it has \['CPU', 'memory'\]\); another node has it: let Ray place the "
+                       r"actor there \('serve --engine ray --anywhere', "
+                       r"RayExpertServer\(\.\.\., on_node=None\)\)"):
+        _check_placement(ray, "server-b", 0.0, {"experts": 1}, "here")
+    _check_placement(ray, "server-b", 0.0, {"experts": 4}, None)  # placed anywhere: it fits
+    _check_placement(ray, "server-b", 0.0, None, "here")          # nothing asked: nothing checked

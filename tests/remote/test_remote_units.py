@@ -199,9 +199,34 @@ def test_cli_arguments(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     loose.write_text(JobSecret.generate().hex())
     loose.chmod(0o644)
     for path in (tmp_path / "missing.secret", loose):
-        with pytest.raises(SystemExit) as info:
-            main(["serve", "--experts", "m:f", "--rank", "0", "--secret-file", str(path)])
-        assert info.value.code == 2, path
+        assert main(["serve", "--experts", "m:f", "--rank", "0", "--secret-file",
+                     str(path)]) == 2, path
+
+
+def test_serve_refusals_say_what_to_do_without_a_usage_dump(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 43: a 25-line usage dump came before each secret error, and a bad
+    --experts factory gave a raw traceback."""
+    secret = JobSecret.generate().save(str(tmp_path / "job.secret"))
+    cases = {
+        "no_such_module_here:make": "--experts no_such_module_here:make: cannot load the "
+                                    "factory: ModuleNotFoundError",
+        "moe_autograd.remote.cli:no_such": "--experts moe_autograd.remote.cli:no_such: cannot "
+                                           "load the factory: AttributeError",
+        "moe_autograd.remote.cli:build_parser": "--experts moe_autograd.remote.cli:build_parser "
+                                                "returned ArgumentParser, not a dict",
+        "os:abort_not:": "cannot load the factory",
+    }
+    for spec, words in cases.items():
+        assert main(["serve", "--experts", spec, "--rank", "1", "--world-size", "2",
+                     "--secret-file", secret]) == 2, spec
+        err = capsys.readouterr().err
+        assert err.startswith("python -m moe_autograd serve: error: ") and words in err, err
+        assert "usage:" not in err and "Traceback" not in err, err
+    assert main(["serve", "--experts", "m:f", "--rank", "0", "--secret-file",
+                 str(tmp_path / "missing.secret")]) == 2
+    err = capsys.readouterr().err
+    assert "usage:" not in err and "missing.secret" in err and len(err.splitlines()) <= 3, err
 
 
 def test_secret_command_writes_a_private_file_and_never_overwrites(
