@@ -143,7 +143,7 @@ def _parse(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     p.add_argument("--engine", choices=("rpc", "ray"), default="rpc",
                    help="torch RPC's dynamic world (default) or a local Ray cluster whose "
                         "nodes join, die and leave (moe_autograd.demo_elastic_ray; needs "
-                        "pip install 'moe_autograd[ray]')")
+                        "pip install -e '.[ray]')")
     p.add_argument("--ray-timeout", type=float, default=120.0,
                    help="with --engine ray: seconds a node start, a join or a leave may take "
                         "before the demo gives up waiting for it")

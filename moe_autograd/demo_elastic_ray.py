@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         import ray  # noqa: F401
     except ImportError:
-        print("the Ray demo needs Ray: pip install 'moe_autograd[ray]'", file=sys.stderr)
+        print("the Ray demo needs Ray: pip install -e '.[ray]'", file=sys.stderr)
         return 2
     from .remote import JobSecret, RayFleet, set_job_secret
 

@@ -183,7 +183,7 @@ def test_local_ray_is_private_and_authenticated(tmp_path) -> None:
     authentication on in the driver and its workers, the token, Ray's files
     and the job secret in a private directory removed at exit (nothing in
     the user's ~/.ray), nodes on loopback, the environment restored."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     import json
     import os
     import subprocess

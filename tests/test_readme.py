@@ -81,6 +81,12 @@ NOT_RUN_AS_WRITTEN = {
         "as make mutate SHARD=...",
     "ray start --head --port=6379 --num-cpus=4": "the test starts its head on loopback, in a "
         "temporary directory of its own, with the experts resource the workers would bring",
+    "ray start --head --port=6379 --num-cpus=4 --node-ip-address=127.0.0.1 --resources='"
+    "{\"experts\": 4}'": "the one-machine head: the test starts it as written, with a free port "
+        "and a temporary directory of its own",
+    "python -m moe_autograd serve --engine ray --address 127.0.0.1:6379 --experts "
+    "my_experts:make --name server-b --backward stateful --resources '{\"experts\": 1}'":
+        "the test serves with this line, at its head's free port",
     "ray start --address=10.0.0.1:6379 --resources='{\"experts\": 4}'": "a second machine: "
         "the Ray demo's test joins nodes with ray.cluster_utils (the same raylets), not this "
         "command",
@@ -100,7 +106,9 @@ COMMANDS: Dict[str, List[str]] = {
     "make mutate SHARD=...": ["tests/test_mutate_tool.py::"
                               "test_mutation_shards_name_existing_files_and_cover_the_issue_34_modules"],
     "pip install -e '.[examples]'": ["test_extras"],
-    "pip install moe_autograd[ray]": ["test_extras"],
+    "pip install -e '.[ray]'": ["test_extras"],
+    # builds a venv of the newest releases and runs the zoo there: its report is tested
+    "make latest": ["tests/test_latest_tool.py::test_report_rows", "test_make_targets"],
     "pytest tests/remote --plans N": ["tests/remote/test_fault_plans.py"],
     "python -m moe_autograd bench --quick": ["tests/test_bench.py::test_quick_overhead_row"],
     # 15 s and 76 s in bench --quick: their names are checked, the rows are not run.
@@ -201,6 +209,9 @@ def test_make_targets() -> None:
     assert re.search(r"^bench: .*\n\t\$\(PY\) -m moe_autograd bench$", makefile, flags=re.M)
     assert "tests/oracle" in makefile.split("\nfuzz:")[1].split("\n\n")[0]
     assert "tests/moe/test_zoo_*.py" in makefile.split("\nzoo:")[1].split("\n\n")[0]
+    assert "tools/latest.sh" in makefile.split("\nlatest:")[1].split("\n\n")[0]
+    latest = (ROOT / "tools" / "latest.sh").read_text()
+    assert "tests/moe/test_zoo_*.py" in latest and "tests/remote/test_ray_*.py" in latest
 
 
 def test_compat_matrix_is_the_supported_range() -> None:

@@ -307,7 +307,7 @@ def run_on_local_ray(name: str, rows: Callable[[Optional[str]], List[Dict[str, A
     except ImportError:
         return [{"name": name, "baseline_ms": None, "ours_ms": None, "ratio": None,
                  "goal": None, "note": "skipped: ray is not installed (pip install "
-                 "'moe_autograd[ray]')"}]
+                 "-e '.[ray]')"}]
     if ray.is_initialized():
         return rows(None)
     with own_job_secret() as secret, local_ray(num_cpus=2, secret=secret) as here:

@@ -127,8 +127,8 @@ same-host ``shm`` transport busy-polls). :mod:`moe_autograd.remote.loopback`
 starts such worlds for tests and benchmarks (``moe_autograd.bench.remote``).
 
 Engines (:mod:`moe_autograd.remote.transport`): torch RPC (the default,
-:mod:`.rpc_engine`) or Ray (:mod:`.ray_engine`, ``pip install
-moe_autograd[ray]``): :class:`RayExpertServer` starts a server as a named Ray
+:mod:`.rpc_engine`) or Ray (:mod:`.ray_engine`, ``pip install -e
+'.[ray]'``): :class:`RayExpertServer` starts a server as a named Ray
 actor and :class:`RayTransport` calls it; the engine is chosen by how the
 world was started (``init_rpc`` or ``ray.init``) or explicitly
 (``transport=``, :func:`set_transport`). See the README's "Choosing an engine".

@@ -9,7 +9,7 @@ is a named actor (:mod:`.ray_server`), which has ONE method,
 ``blob`` its buffers back to back (bytes when small, else one NumPy uint8
 array that Ray moves out of band); the actor splits the blob by the lengths
 the header announces and hands the frame to :func:`.endpoint.serve`. ``ray``
-is an optional dependency (``pip install moe_autograd[ray]``), imported
+is an optional dependency (``pip install -e '.[ray]'``), imported
 only when used.
 
 Mapping::
@@ -103,7 +103,7 @@ def _ray() -> Any:
     try:
         import ray
     except ImportError as error:
-        raise TransportSendError("Ray is not installed: pip install 'moe_autograd[ray]' "
+        raise TransportSendError("Ray is not installed: pip install -e '.[ray]' "
                                  f"(or pip install ray) ({error})") from error
     return ray
 

@@ -3,7 +3,7 @@
 Why a seam: remote experts need an engine that moves a message to another
 process and its reply back. Two engines sit behind it: :mod:`torch.distributed.rpc`
 (TensorPipe; :mod:`.rpc_engine`, the default, needing no service) and Ray
-(:mod:`.ray_engine`, optional: ``pip install moe_autograd[ray]``). An engine
+(:mod:`.ray_engine`, optional: ``pip install -e '.[ray]'``). An engine
 carries :class:`~.frame.Frame` s (bytes and tensor buffers, sealed by
 :mod:`.auth`): it never runs a function it was sent, and nothing above it
 touches an engine. A third engine (a gRPC service) plugs in by implementing

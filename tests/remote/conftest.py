@@ -97,7 +97,7 @@ def ray_world() -> Iterator[Dict[str, Any]]:
     and ``srv-b`` (RayExpertServers) serving what the RPC world's servers
     serve, and ``transport``, a RayTransport whose own timeout is
     :data:`RAY_TIMEOUT_S` (as the RPC world's ``rpc_timeout``)."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     if "closed" in _ray:
         pytest.fail("the shared Ray instance was already shut down; keep its tests together")
     from moe_autograd.remote.ray_engine import RayTransport

@@ -96,7 +96,7 @@ def fixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     suite): the same plans, checks and exit under torch RPC and under Ray."""
     engine = request.param
     if engine == "ray":
-        pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+        pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     if engine not in _FIXED:
         ray_ok = True
         try:
@@ -171,7 +171,7 @@ def test_random_plans(request: pytest.FixtureRequest, tmp_path: Path,
     if n <= 0:
         pytest.skip("random fault plans run with --plans N (pytest tests/remote --plans 5)")
     if engine == "ray":
-        pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+        pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     seed = request.config.getoption("--plans-seed", None)
     seed = random.randrange(1 << 30) if seed is None else int(seed)
     line = (f"random fault plans on {engine}: seed={seed} "

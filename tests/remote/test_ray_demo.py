@@ -43,7 +43,7 @@ def _session_processes(sid: int) -> List[str]:
 @pytest.mark.timeout(150)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_ray_elastic_demo_small() -> None:
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     # the demo starts a Ray of its own (token authentication on, a private
     # directory) and makes its own job secret
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(

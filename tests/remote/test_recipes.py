@@ -167,7 +167,7 @@ def _ray_processes(marker: str) -> List[int]:
 
 
 def test_ray_cluster_recipe(job: Dict[str, str], tmp_path: Path) -> None:
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'moe_autograd[ray]')")
+    pytest.importorskip("ray", reason="ray is not installed (pip install -e '.[ray]')")
     in_readme("export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/cluster.token "
               "MOE_AUTOGRAD_SECRET_FILE=$HOME/job.secret",
               '(umask 077; python -c "import secrets; print(secrets.token_hex(32))" > '
