@@ -338,3 +338,17 @@ def test_layout_block() -> None:
                if not any((base / n).exists()
                           for base in (ROOT, package, package / "remote", ROOT / "tools"))]
     assert missing == [], missing
+
+
+def test_contents_list_every_heading_with_its_anchor() -> None:
+    """The table of contents names every heading below it, in order and at
+    its level, with GitHub's anchor (lower case, punctuation dropped, spaces
+    to dashes)."""
+    text = re.sub(r"^```.*?^```", "", README, flags=re.S | re.M)
+    contents = text.split("## Contents\n", 1)[1].split("\n## ", 1)[0]
+    listed = re.findall(r"^( *)- \[(.+)\]\(#([\w-]+)\)$", contents, flags=re.M)
+    headings = re.findall(r"^(#{2,4}) (.+)$", text.split("## Contents\n", 1)[1], flags=re.M)
+    assert [(len(indent) // 2 + 2, title) for indent, title, _ in listed] == \
+        [(len(hashes), title) for hashes, title in headings]
+    for _, title, anchor in listed:
+        assert anchor == re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-"), title
