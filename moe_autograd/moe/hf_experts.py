@@ -140,7 +140,7 @@ _KNOWN: Dict[type, EagerLoop] = {}
 def eager_loop(experts: Any) -> EagerLoop:
     """The :class:`EagerLoop` of ``experts``' eager loop (an experts module,
     or its class), or NotImplementedError."""
-    cls = experts if isinstance(experts, type) else type(experts)
+    cls: Any = experts if isinstance(experts, type) else type(experts)
     loop = _KNOWN.get(cls)
     if loop is not None:
         return loop

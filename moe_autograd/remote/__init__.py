@@ -32,7 +32,7 @@ call goes down, through an engine, and up into a server's operation)::
     batch_server, server                  a server's operations (registered in endpoint)
     registry, membership, state, sizes,   the fleet's signed records; dynamic RPC worlds;
     execution, gather, deadlines,         held states; byte counts; running a call;
-    stopping                              many trainers' calls batched into one
+    stopping, durable                     many trainers' calls batched into one; snapshots
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
     transport                             the seam: frames in, frames out

@@ -126,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-rows", type=int, default=None, metavar="N",
                    help="with --batch-across-calls: rows (first dimension) of one batch at "
                         "most (default: no bound)")
+    p.add_argument("--state-dir", metavar="DIR",
+                   help="keep each expert's state (weights, optimizer state, steps) in DIR: "
+                        "resume from its newest complete snapshot there, save every "
+                        "--save-every steps and at a clean stop")
+    p.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="with --state-dir: save an expert every N optimizer steps")
+    p.add_argument("--save-interval", type=float, default=None, metavar="SECONDS",
+                   help="with --state-dir: save an expert at a step once SECONDS have passed "
+                        "since its last save")
     p.add_argument("--num-worker-threads", type=int, default=16)
     p.add_argument("--rpc-timeout", type=float, default=60.0,
                    help="this worker's RPC timeout in seconds (clients set their own)")
@@ -276,6 +285,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
 
+def _durable_options(args: argparse.Namespace) -> Dict[str, Any]:
+    """``state_dir``/``save_every``/``save_interval`` for the server, checked."""
+    if args.state_dir is None:
+        if args.save_every is not None or args.save_interval is not None:
+            _usage_error("--save-every and --save-interval need --state-dir")
+        return {}
+    if args.save_every is not None and args.save_every < 1:
+        _usage_error(f"--save-every must be a positive number of steps, got {args.save_every}")
+    if args.save_interval is not None and not args.save_interval > 0:
+        _usage_error(f"--save-interval must be positive seconds, got {args.save_interval}")
+    return {"state_dir": os.path.abspath(args.state_dir), "save_every": args.save_every,
+            "save_interval": args.save_interval}
+
+
 def _serve(args: argparse.Namespace) -> int:
     if args.engine == "ray":
         if args.join or args.world_size:
@@ -296,16 +319,20 @@ def _serve(args: argparse.Namespace) -> int:
     options = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{args.master_addr}:{args.master_port}",
         num_worker_threads=args.num_worker_threads, rpc_timeout=args.rpc_timeout, **extra)
-    server = ExpertServer(experts, backward=args.backward, optimizer=optimizer,
-                          auto_step=not args.manual_step, state_ttl=args.state_ttl,
-                          max_states=args.max_states,
-                          max_states_per_client=args.max_states_per_client,
-                          max_state_bytes=args.max_state_bytes,
-                          max_request_bytes=args.max_request_bytes,
-                          non_finite_grads=args.non_finite_grads, secret=secret,
-                          batch_across_calls=args.batch_across_calls,
-                          batch_window=args.batch_window, max_batch_rows=args.max_batch_rows,
-                          )  # before init_rpc: no request finds it missing
+    durable = _durable_options(args)
+    try:  # before init_rpc: no request finds it missing
+        server = ExpertServer(experts, backward=args.backward, optimizer=optimizer,
+                              auto_step=not args.manual_step, state_ttl=args.state_ttl,
+                              max_states=args.max_states,
+                              max_states_per_client=args.max_states_per_client,
+                              max_state_bytes=args.max_state_bytes,
+                              max_request_bytes=args.max_request_bytes,
+                              non_finite_grads=args.non_finite_grads, secret=secret,
+                              batch_across_calls=args.batch_across_calls,
+                              batch_window=args.batch_window,
+                              max_batch_rows=args.max_batch_rows, **durable)
+    except (ValueError, RuntimeError, TypeError) as error:  # options, a held state dir
+        _usage_error(f"cannot serve: {error}")
     halt_report = _report_served(server.served, args.report_every)
     if args.join:
         from .elastic import default_name, serve_joined
@@ -418,7 +445,8 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             max_states_per_client=args.max_states_per_client,
             max_state_bytes=args.max_state_bytes, max_request_bytes=args.max_request_bytes,
             non_finite_grads=args.non_finite_grads, batch_across_calls=args.batch_across_calls,
-            batch_window=args.batch_window, max_batch_rows=args.max_batch_rows)
+            batch_window=args.batch_window, max_batch_rows=args.max_batch_rows,
+            **_durable_options(args))
     except BaseException as error:
         _fail(f"could not start the Ray expert server {name!r}: {error}")
         ray.shutdown()

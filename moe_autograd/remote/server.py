@@ -92,6 +92,7 @@ from ..rng import CallRng
 from . import endpoint
 from . import execution as ex
 from .compression import CODECS, Compressed
+from .durable import ExpertState, Snapshots
 from .auth import Caller, JobSecret, resolve_secret, security_stats
 from .endpoint import Reply, error_text
 from .gather import Gatherer, NotRowWise, Task, concat_rows, row_key, split_rows
@@ -123,6 +124,7 @@ class _Hosted:
     optimizer: Optional[torch.optim.Optimizer]
     lock: threading.Lock = field(default_factory=threading.Lock)
     skipped_steps: int = 0  # steps skipped for non-finite gradients (under ``lock``)
+    steps: int = 0  # optimizer steps applied (under ``lock``; kept in snapshots)
     gather: Optional[Gatherer] = None  # batching across calls (opted in), see .gather
     alone: Optional[str] = None  # why its calls no longer join batches (set once)
 
@@ -210,6 +212,13 @@ class ExpertServer:
     does when a parameter gradient is NaN or infinite: skip the step (the
     reply says so and the client warns; ``stats()["skipped_steps"]`` counts
     it) or fail the request. The parameters are left untouched either way.
+
+    Durable state (:mod:`.durable`): with ``state_dir``, each expert resumes
+    from its newest complete snapshot there (weights, optimizer state, steps)
+    before the first request can reach it, and its state is saved every
+    ``save_every`` optimizer steps and/or every ``save_interval`` seconds
+    (checked at each step), and when the server closes. One live server
+    owns an expert's snapshots in a directory: a second is refused.
     """
 
     def __init__(self, experts: Mapping[str, nn.Module], *, backward: str = "stateless",
@@ -221,7 +230,9 @@ class ExpertServer:
                  non_finite_grads: str = "skip", secret: Secrets = None,
                  batch_across_calls: BatchChoice = False, batch_window: float = 0.0,
                  max_batch_rows: Optional[int] = None,
-                 transport: Optional[Transport] = None) -> None:
+                 transport: Optional[Transport] = None, state_dir: Optional[str] = None,
+                 save_every: Optional[int] = None,
+                 save_interval: Optional[float] = None) -> None:
         if backward not in BACKWARDS:
             raise ValueError(f"backward must be one of {BACKWARDS}, got {backward!r}")
         if non_finite_grads not in NON_FINITE_POLICIES:
@@ -259,6 +270,18 @@ class ExpertServer:
                   for name, module in experts.items()}
         self.batched: List[str] = [name for name in experts if name in batched]
         self.batch_window, self.max_batch_rows = float(batch_window), max_batch_rows
+        self.snapshots: Optional[Snapshots] = None
+        if state_dir is not None:  # resumed before any request can reach them
+            self.snapshots = Snapshots(state_dir, list(hosted), self.secrets[0],
+                                       save_every=save_every, save_interval=save_interval)
+            try:
+                for h in hosted.values():
+                    _resume(h, self.snapshots)
+            except BaseException:
+                self.snapshots.close()
+                raise
+        elif save_every is not None or save_interval is not None:
+            raise ValueError("save_every and save_interval need a state_dir")
         with _registry_lock:
             taken = sorted(set(hosted) & set(_experts))
             if taken:
@@ -354,6 +377,11 @@ class ExpertServer:
             self._idle.wait_for(lambda: self._busy == 0, timeout)
         if first:
             endpoint.gate().dismiss(self.secrets)
+            if self.snapshots is not None:  # a clean leave: every expert's last state
+                for h in self._hosted:
+                    with h.lock:
+                        self.snapshots.save(h.name, _captured(h))
+                self.snapshots.close()
         if self.store is not None:
             self.store.clear()
 
@@ -532,6 +560,10 @@ def _step(hosted: _Hosted) -> Optional[str]:
            if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     if not bad:
         hosted.optimizer.step()
+        hosted.steps += 1
+        snapshots = hosted.server.snapshots
+        if snapshots is not None and snapshots.due(hosted.name, hosted.steps):
+            snapshots.save(hosted.name, _captured(hosted))  # whole steps, on disk before the reply
         return None
     hosted.skipped_steps += 1
     shown = ", ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
@@ -540,6 +572,43 @@ def _step(hosted: _Hosted) -> Optional[str]:
     if hosted.server.non_finite_grads == "raise":
         raise FloatingPointError(note + " (non_finite_grads='raise')")
     return note
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor cloned (an optimizer's state_dict holds its
+    live tensors)."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+def _captured(hosted: _Hosted) -> ExpertState:
+    """A copy of what a snapshot keeps of ``hosted``. Needs ``hosted.lock``."""
+    module = {k: v.detach().cpu().clone() for k, v in hosted.module.state_dict().items()}
+    optimizer = _copied(hosted.optimizer.state_dict()) if hosted.optimizer is not None else None
+    return ExpertState(module, optimizer, hosted.steps, hosted.skipped_steps)
+
+
+def _resume(hosted: _Hosted, snapshots: Snapshots) -> None:
+    """Loads ``hosted``'s newest snapshot, if any, and says where it came from."""
+    found = snapshots.load(hosted.name)
+    if found is None:
+        _log.info("expert %r starts from its factory's state: no snapshot in %s", hosted.name,
+                  snapshots.directory)
+        return
+    path, state = found
+    hosted.module.load_state_dict(state.module)
+    if hosted.optimizer is not None and state.optimizer is not None:
+        hosted.optimizer.load_state_dict(state.optimizer)
+    elif state.optimizer is not None:
+        _log.warning("expert %r: snapshot %s holds optimizer state, but this server has no "
+                     "optimizer: its weights alone are resumed", hosted.name, path)
+    hosted.steps, hosted.skipped_steps = state.steps, state.skipped_steps
+    _log.info("expert %r resumed from snapshot %s (step %d)", hosted.name, path, state.steps)
 
 
 def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
@@ -742,7 +811,7 @@ def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
     if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
-                    expert_skipped_steps=hosted.skipped_steps,
+                    expert_skipped_steps=hosted.skipped_steps, expert_steps=hosted.steps,
                     expert_batches=hosted.gather.stats() if hosted.gather is not None else None,
                     expert_batched_no_more=hosted.alone)
     raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "

@@ -20,6 +20,7 @@ LAYERS: Dict[str, int] = {
     "endpoint": 3,
     "rpc_engine": 4, "ray_engine": 4, "channel": 4,
     "sizes": 5, "state": 5, "execution": 5, "gather": 5, "membership": 5, "registry": 5,
+    "durable": 5,
     "server": 6,
     "batch_server": 7,
     "batching": 8,
@@ -29,7 +30,8 @@ LAYERS: Dict[str, int] = {
     "cli": 12,
     "__init__": 13,
 }
-SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution", "gather"}
+SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution", "gather",
+               "durable"}
 CLIENT_SIDE = {"channel", "batching", "client", "replicas", "balance"}
 
 
