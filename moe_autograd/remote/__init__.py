@@ -32,10 +32,10 @@ call goes down, through an engine, and up into a server's operation)::
     batch_server, server                  a server's operations (registered in endpoint)
     registry, membership, state, sizes,   the fleet's signed records; dynamic RPC worlds;
     execution, gather, deadlines,         held states; byte counts; running a call;
-    stopping, durable                     many trainers' calls batched into one; snapshots
+    stopping                              many trainers' calls batched into one
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
-    transport                             the seam: frames in, frames out
+    transport, durable                    the seam: frames in, frames out; sealed states
     auth, wire, frame, factory, errors,   secrets and MACs; the body codec; the layout;
     compression                           fp16 / bf16 / int8 codecs of tensors
     balance                               which replica a fleet expert's call takes

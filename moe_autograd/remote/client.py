@@ -68,10 +68,11 @@ from torch import Tensor, nn
 from ..phony import get_phony
 from ..rng import CallRng
 from . import wire
-from .auth import JobSecret
+from .auth import JobSecret, resolve_secret
 from .compression import Compressed, Compression, resolve as resolve_codec
 from .batching import COLLECTOR, GRACE_S, Job, RemoteModuleCall, run_sync
 from .channel import request as send_request
+from .durable import ExpertState, open_state, state_bytes
 from .errors import RemoteExpertError
 from .transport import Transport, check_timeout, get_transport
 
@@ -502,6 +503,25 @@ class RemoteExpert(nn.Module):
         error (keys, shapes, types), nothing."""
         wire.check_value(state_dict, f"the payload of {self._where('load_state_dict')}")
         self._control("load_state_dict", {k: _wire(v) for k, v in state_dict.items()})
+
+    def remote_snapshot(self) -> ExpertState:
+        """The hosted expert's whole state (weights, optimizer state, steps),
+        sealed by the server for this job and checked here
+        (:mod:`~moe_autograd.remote.durable`): what a job checkpoint keeps
+        and a new replica starts from."""
+        sealed = self._control("snapshot")
+        if not isinstance(sealed, Tensor):
+            raise RemoteExpertError(f"{self._where('snapshot')}: the reply is not a snapshot")
+        _, state = open_state(sealed.numpy().tobytes(), resolve_secret(self.secret),
+                              f"the state of {self._where('snapshot')}")
+        return state
+
+    def restore_remote(self, state: ExpertState) -> int:
+        """Makes ``state`` (a :meth:`remote_snapshot` of this expert or of a
+        replica) the hosted expert's whole state, or changes nothing; returns
+        its steps."""
+        return int(self._control("restore", state_bytes(self.name, state,
+                                                        resolve_secret(self.secret))))
 
     def remote_stats(self) -> Dict[str, Any]:
         """The server's counters (``live``: stateful states held now;

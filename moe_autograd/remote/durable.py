@@ -30,8 +30,8 @@ Invariants:
   directory fsynced. A crash mid-write leaves a temporary file that is never
   read (and removed at the next start).
 * A snapshot is used only if its length, its header and its MAC check: a
-  truncated or altered one (``bad snapshot``) or one sealed with another
-  job's secret (``unknown job``) is refused with its path and the reason,
+  truncated or altered one (``bad MAC``) or one sealed with another job's
+  secret (``unknown job``) is refused with its path and the reason,
   counted and logged (:func:`~.auth.refuse`), and the next older one is
   tried. Nothing of a refused snapshot is loaded.
 * One live server writes one expert's snapshots in one directory: the
@@ -65,7 +65,7 @@ from .auth import JobSecret, refuse
 from .wire import DTYPES
 
 __all__ = ["ExpertState", "Snapshots", "SnapshotError", "write_snapshot", "read_snapshot",
-           "snapshot_paths", "MAGIC", "KEEP"]
+           "open_state", "state_bytes", "sealed_parts", "snapshot_paths", "MAGIC", "KEEP"]
 
 MAGIC = b"moe_autograd snapshot 1\n"
 KEEP = 3  # snapshots kept per expert
@@ -80,7 +80,7 @@ _log = logging.getLogger(__name__)
 class SnapshotError(ValueError):
     """A snapshot that cannot be used: its path and the reason."""
 
-    def __init__(self, path: str, reason: str, kind: str = "bad snapshot") -> None:
+    def __init__(self, path: str, reason: str, kind: str = "bad MAC") -> None:
         super().__init__(f"snapshot {path}: {reason}")
         self.path, self.reason, self.kind = path, reason, kind
 
@@ -139,9 +139,10 @@ def _raw(tensor: Tensor) -> Tensor:
     return data.reshape(-1).view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def write_snapshot(path: str, expert: str, state: ExpertState, secret: JobSecret) -> str:
-    """Writes ``state`` to ``path`` atomically (see the module docstring);
-    returns ``path``."""
+def sealed_parts(expert: str, state: ExpertState, secret: JobSecret) -> List[Any]:
+    """The bytes of ``state``'s snapshot, as parts (the tensors' bytes are
+    views, not copies): what :func:`write_snapshot` writes and a peer
+    transfer sends (:func:`state_bytes`)."""
     tensors: List[Tensor] = []
     body = {"module": _encode(state.module, tensors, "module"),
             "optimizer": _encode(state.optimizer, tensors, "optimizer"),
@@ -163,15 +164,30 @@ def write_snapshot(path: str, expert: str, state: ExpertState, secret: JobSecret
     length = _LENGTH.pack(len(header))
     views = [memoryview(r.numpy()) for r in raws]  # type: ignore[arg-type]
     tag = secret.mac([_DOMAIN, MAGIC, length, header, *views])
+    return [MAGIC, length, header, *views, tag]
+
+
+def state_bytes(expert: str, state: ExpertState, secret: JobSecret) -> Tensor:
+    """``state``'s sealed snapshot as one uint8 tensor (a peer transfer)."""
+    parts = sealed_parts(expert, state, secret)
+    out = torch.empty(sum(memoryview(p).nbytes for p in parts), dtype=torch.uint8)
+    buffer, at = memoryview(out.numpy()), 0  # type: ignore[arg-type]
+    for part in parts:
+        n = memoryview(part).nbytes
+        buffer[at:at + n] = memoryview(part).cast("B")
+        at += n
+    return out
+
+
+def write_snapshot(path: str, expert: str, state: ExpertState, secret: JobSecret) -> str:
+    """Writes ``state`` to ``path`` atomically (see the module docstring);
+    returns ``path``."""
+    parts = sealed_parts(expert, state, secret)
     directory = os.path.dirname(os.path.abspath(path))
     temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
     with open(temporary, "wb") as f:
-        f.write(MAGIC)
-        f.write(length)
-        f.write(header)
-        for view in views:
-            f.write(view)
-        f.write(tag)
+        for part in parts:
+            f.write(part)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
@@ -195,33 +211,37 @@ def read_snapshot(path: str, secret: JobSecret) -> Tuple[str, ExpertState]:
             data = f.read()
     except OSError as error:
         raise SnapshotError(path, f"cannot be read: {error}") from error
+    return open_state(data, secret, path)
+
+
+def open_state(data: Any, secret: JobSecret, where: str) -> Tuple[str, ExpertState]:
+    """``(expert, state)`` of a sealed snapshot's bytes (a file's, or a peer
+    transfer's: ``where`` names it in errors); raises :class:`SnapshotError`
+    for anything that does not check, before anything of it is decoded."""
+    path = where
+    data = bytes(data)
     fixed = len(MAGIC) + _LENGTH.size
     if len(data) < fixed + _TAG_BYTES or not data.startswith(MAGIC):
         raise SnapshotError(path, "not a snapshot, or truncated before its header "
-                                  f"({len(data)} bytes)")
+                                  f"({len(data)} bytes)", kind="malformed")
     (size,) = _LENGTH.unpack_from(data, len(MAGIC))
     if size > _MAX_HEADER or fixed + size + _TAG_BYTES > len(data):
         raise SnapshotError(path, f"truncated: its header announces {size} bytes, the file "
-                                  f"has {len(data)}")
-    try:
-        header = json.loads(data[fixed:fixed + size])
-        payload_bytes = int(header["payload_bytes"])
-        job = str(header["job"])
-    except (ValueError, KeyError, TypeError) as error:
-        raise SnapshotError(path, f"a malformed header ({type(error).__name__})") from error
-    end = fixed + size + payload_bytes
-    if end + _TAG_BYTES != len(data):
-        raise SnapshotError(path, f"truncated or extended: {len(data)} bytes where its header "
-                                  f"announces {end + _TAG_BYTES}")
-    if job != secret.key_id.hex():
-        raise SnapshotError(path, f"sealed for another job (key id {job[:16]}, this job's is "
-                                  f"{secret.key_id.hex()})", kind="unknown job")
+                                  f"has {len(data)}", kind="malformed")
     view = memoryview(data)
-    tag = secret.mac([_DOMAIN, view[:fixed + size], view[fixed + size:end]])
+    end = len(data) - _TAG_BYTES
+    tag = secret.mac([_DOMAIN, view[:end]])
     if not hmac.compare_digest(tag, bytes(view[end:])):
+        job = _job_of(data[fixed:fixed + size])
+        if job is not None and job != secret.key_id.hex():
+            raise SnapshotError(path, f"sealed for another job (key id {job[:16]}, this job's "
+                                      f"is {secret.key_id.hex()})", kind="unknown job")
         raise SnapshotError(path, "its checksum (HMAC-SHA256 with the job's secret) does not "
-                                  "verify: altered or corrupt")
-    try:
+                                  "verify: altered, corrupt or truncated")
+    try:  # sealed by this job: from here on, only a bug of ours could fail
+        header = json.loads(data[fixed:fixed + size])
+        if fixed + size + int(header["payload_bytes"]) != end:
+            raise ValueError("the payload's length is not the header's")
         tensors = []
         payload = bytearray(view[fixed + size:end])  # one writable copy, then views of it
         for entry in header["tensors"]:
@@ -236,8 +256,18 @@ def read_snapshot(path: str, secret: JobSecret) -> Tuple[str, ExpertState]:
                             _decode(body["extra"], tensors))
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
         raise SnapshotError(path, f"a malformed body ({type(error).__name__}: "
-                                  f"{error})") from error
+                                  f"{error})", kind="malformed") from error
     return str(header["expert"]), state
+
+
+def _job_of(header: bytes) -> Optional[str]:
+    """The job key id a header names, if it can be read (only to say why a
+    snapshot whose MAC fails was refused: nothing else of it is used)."""
+    try:
+        job = json.loads(header).get("job")
+    except (ValueError, AttributeError):
+        return None
+    return job if isinstance(job, str) else None
 
 
 def _folder(directory: str, expert: str) -> str:
@@ -330,7 +360,8 @@ class Snapshots:
             try:
                 name, state = read_snapshot(path, self.secret)
                 if name != expert:
-                    raise SnapshotError(path, f"holds expert {name!r}, not {expert!r}")
+                    raise SnapshotError(path, f"holds expert {name!r}, not {expert!r}",
+                                        kind="malformed")
             except SnapshotError as error:
                 refuse(error.kind, f"{error} (the previous snapshot is tried)")
                 continue

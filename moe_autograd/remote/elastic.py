@@ -14,7 +14,11 @@ Lifecycle of a server (one incarnation = one process = one rank)::
     joining   join(): rank from the store counter,  nothing
               beats start, waits until no listed
               member looks dead, init_rpc (on the
-              interface facing the store)
+              interface facing the store); then
+              each expert a live published server
+              also serves takes that replica's
+              state (weights, optimizer state,
+              steps) over the sealed wire
     serving   its record and roster entry are       resolvable once a fleet's challenge
               published, signed with the job's      got its sealed answer (within a
               secret (a name a live incarnation     poll or two, 20 ms each)
@@ -45,7 +49,15 @@ Invariants:
   exit (:mod:`.stopping`); every wait is bounded.
 * What it publishes is signed with the job's secret (the first secret of its
   first :class:`~.server.ExpertServer` unless ``secret=`` says otherwise).
+* A replacement or a new replica of a training expert never starts from
+  fresh weights while a live replica serves that expert: before it is
+  published (so before any call can reach it) it takes that replica's state
+  (``recover=True``, the default; logged at INFO with the peer, the step,
+  the bytes and the time). With no live replica it keeps what it has (its
+  snapshot, :mod:`.durable`, or its factory's weights: a WARNING names the
+  expert when the fleet already had servers).
 """
+import logging
 import os
 import secrets
 import signal
@@ -55,10 +67,14 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from . import membership, rpc_bind, stopping
 from .auth import JobSecret
+from .client import RemoteExpert
+from .rpc_engine import RpcTransport
 from .registry import NameTaken, Registry, ServerRecord, observe_alive
 from .server import ExpertServer, set_host_info
 
 __all__ = ["ElasticServer", "serve_joined", "default_name"]
+
+_log = logging.getLogger(__name__)
 
 MembershipError = membership.MembershipError
 
@@ -88,7 +104,7 @@ class ElasticServer:
                  join_timeout: float = 30.0, drain_timeout: float = 10.0, linger: float = 1.0,
                  member_timeout: float = 2.0, lost_after: float = 3.0,
                  log: Optional[Callable[[str], None]] = None,
-                 secret: Optional[JobSecret] = None) -> None:
+                 secret: Optional[JobSecret] = None, recover: bool = True) -> None:
         self.servers = [servers] if isinstance(servers, ExpertServer) else list(servers)
         if not self.servers:
             raise ValueError("ElasticServer needs at least one ExpertServer")
@@ -101,6 +117,9 @@ class ElasticServer:
         self.drain_timeout, self.linger = drain_timeout, linger
         self.member_timeout, self.lost_after = member_timeout, lost_after
         self.experts: Dict[str, str] = {n: s.backward for s in self.servers for n in s.names}
+        self.recover = recover
+        #: expert -> where its state came from at join ("peer NAME", or "" if it kept its own)
+        self.recovered: Dict[str, str] = {}
         self.rank = -1
         self.state = "created"
         self.reason = ""
@@ -136,6 +155,8 @@ class ElasticServer:
             self.state = "gone"
             self._halt.set()
             raise
+        if self.recover:
+            self._recover(registry)
         set_host_info(rank=self.rank, name=self.name, state="serving")
         try:
             registry.publish(ServerRecord(self.name, self.rank, dict(self.experts), "serving",
@@ -149,6 +170,40 @@ class ElasticServer:
         self.state = "serving"
         self._log(f"joined as {self.name!r} (rank {self.rank}) serving {sorted(self.experts)}")
         return self
+
+    def _recover(self, registry: Registry) -> None:
+        """Each expert takes the state of a live published replica, if any
+        (see the module docstring's last invariant)."""
+        roster = {n: r for n, r in registry.roster().items() if n != self.name}
+        records = registry.records(list(roster))
+        alive = set(observe_alive(registry, roster, 3 * self.beat_interval)) if roster else set()
+        for server in self.servers:
+            for expert in server.names:
+                peers = sorted(n for n, record in records.items() if n in alive
+                               and record.state == "serving" and expert in record.experts)
+                self.recovered[expert] = ""
+                for peer in peers:
+                    started = time.monotonic()
+                    try:
+                        state = RemoteExpert(peer, expert, transport=RpcTransport(),
+                                             secret=self.secret, forward_timeout=60.0
+                                             ).remote_snapshot()
+                        steps = server.restore(expert, state, f"peer {peer}")
+                    except Exception as error:  # noqa: BLE001 - try the next replica
+                        _log.warning("expert %r: could not take the state of peer %r: %s: %s",
+                                     expert, peer, type(error).__name__, error)
+                        continue
+                    took = time.monotonic() - started
+                    size = sum(t.numel() * t.element_size() for t in state.module.values())
+                    self._log(f"expert {expert!r} took the state of peer {peer!r} (step "
+                              f"{steps}, {size / 1e6:.2f} MB of weights in {took:.3f} s)")
+                    self.recovered[expert] = f"peer {peer}"
+                    break
+                else:
+                    if roster and server.snapshots is None:
+                        _log.warning("expert %r starts fresh on %r: no live replica to take "
+                                     "its state from, and no state directory", expert,
+                                     self.name)
 
     def _beat(self) -> None:
         registry = self._registry

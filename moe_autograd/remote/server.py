@@ -92,8 +92,8 @@ from ..rng import CallRng
 from . import endpoint
 from . import execution as ex
 from .compression import CODECS, Compressed
-from .durable import ExpertState, Snapshots
-from .auth import Caller, JobSecret, resolve_secret, security_stats
+from .durable import ExpertState, SnapshotError, Snapshots, open_state, state_bytes
+from .auth import Caller, JobSecret, refuse, resolve_secret, security_stats
 from .endpoint import Reply, error_text
 from .gather import Gatherer, NotRowWise, Task, concat_rows, row_key, split_rows
 from .sizes import Tally, materialised_bytes
@@ -112,7 +112,8 @@ JOB_OPS = ("forward", "backward")
 MiB = 1 << 20
 _MAX_ID_CHARS = 256     # call ids and names longer than this are refused
 _MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
-_CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats")
+_CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats", "snapshot",
+            "restore")
 _log = logging.getLogger(__name__)
 
 
@@ -364,6 +365,22 @@ class ExpertServer:
                     total[key] += value
         return total
 
+    def restore(self, name: str, state: ExpertState, source: str) -> int:
+        """Makes ``state`` expert ``name``'s whole state (weights, optimizer
+        state, steps) or changes nothing, logs where it came from (``source``,
+        e.g. ``"peer server_b"``) and saves it when this server keeps
+        snapshots; returns its steps."""
+        hosted = next((h for h in self._hosted if h.name == name), None)
+        if hosted is None:
+            raise LookupError(f"this server does not serve expert {name!r} ({self.names})")
+        with hosted.lock:
+            _apply_state(hosted, state, f"the state of {source}")
+            if self.snapshots is not None:
+                self.snapshots.save(name, _captured(hosted))
+            steps = hosted.steps
+        _log.info("expert %r resumed from %s (step %d)", name, source, steps)
+        return steps
+
     def close(self, timeout: float = 10.0) -> None:
         """Stops serving: new requests fail at once, requests in flight get up
         to ``timeout`` seconds to finish, states are freed. Idempotent."""
@@ -601,13 +618,8 @@ def _resume(hosted: _Hosted, snapshots: Snapshots) -> None:
                   snapshots.directory)
         return
     path, state = found
-    hosted.module.load_state_dict(state.module)
-    if hosted.optimizer is not None and state.optimizer is not None:
-        hosted.optimizer.load_state_dict(state.optimizer)
-    elif state.optimizer is not None:
-        _log.warning("expert %r: snapshot %s holds optimizer state, but this server has no "
-                     "optimizer: its weights alone are resumed", hosted.name, path)
-    hosted.steps, hosted.skipped_steps = state.steps, state.skipped_steps
+    with hosted.lock:
+        _apply_state(hosted, state, f"snapshot {path}")
     _log.info("expert %r resumed from snapshot %s (step %d)", hosted.name, path, state.steps)
 
 
@@ -757,10 +769,10 @@ def _backwards(hosted: _Hosted, tasks: List[Task]) -> None:
         task.finish(part)
 
 
-def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
-    """Loads all of ``payload`` or nothing: checks first, restores on failure."""
+def _check_state_dict(hosted: _Hosted, payload: Any, where: str) -> None:
+    """Raises, naming what differs, unless ``payload`` has exactly the keys of
+    ``hosted``'s state dict, tensors where it has tensors, of its shapes."""
     module = hosted.module
-    where = f"load_state_dict of expert {hosted.name!r}"
     if not isinstance(payload, dict):
         raise TypeError(f"{where}: expected a dict, got {type(payload).__name__}")
     current = module.state_dict()
@@ -778,6 +790,13 @@ def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
             if value.shape != have.shape:
                 raise ValueError(f"{where}: {key!r} has shape {list(value.shape)}, the "
                                  f"expert's has {list(have.shape)}; nothing was changed")
+
+
+def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
+    """Loads all of ``payload`` or nothing: checks first, restores on failure."""
+    module = hosted.module
+    _check_state_dict(hosted, payload, f"load_state_dict of expert {hosted.name!r}")
+    current = module.state_dict()
     with hosted.lock, torch.no_grad():
         backup = {k: v.clone() for k, v in current.items() if isinstance(v, Tensor)}
         try:
@@ -788,7 +807,67 @@ def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
             raise
 
 
-def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
+def _apply_state(hosted: _Hosted, state: ExpertState, where: str) -> None:
+    """Makes ``state`` (a snapshot's or a peer's) ``hosted``'s whole state:
+    weights, optimizer state and steps, or nothing of it. Needs ``hosted.lock``."""
+    _check_state_dict(hosted, state.module, where)
+    module, optimizer = hosted.module, hosted.optimizer
+    current = module.state_dict()
+    backup = {k: v.clone() for k, v in current.items() if isinstance(v, Tensor)}
+    kept = _copied(optimizer.state_dict()) if optimizer is not None else None
+    try:
+        with torch.no_grad():
+            module.load_state_dict(state.module)
+        if optimizer is not None and state.optimizer is not None:
+            optimizer.load_state_dict(state.optimizer)
+    except BaseException:
+        with torch.no_grad():
+            for key, saved in backup.items():
+                current[key].copy_(saved)
+        if optimizer is not None and kept is not None:
+            optimizer.load_state_dict(kept)
+        raise
+    if state.optimizer is not None and optimizer is None:
+        _log.warning("expert %r: %s holds optimizer state, but this server has no optimizer: "
+                     "its weights alone are taken", hosted.name, where)
+    hosted.steps, hosted.skipped_steps = state.steps, state.skipped_steps
+
+
+def _job_secret(hosted: _Hosted, caller: Optional[Caller]) -> JobSecret:
+    """The secret of the caller's job among the server's (its first without a caller)."""
+    secrets = hosted.server.secrets
+    if caller is None:
+        return secrets[0]
+    return next(s for s in secrets if s.key_id == caller.key_id)
+
+
+def _snapshot_op(hosted: _Hosted, caller: Optional[Caller]) -> Tensor:
+    """The expert's whole state, sealed for the caller's job (a peer transfer)."""
+    with hosted.lock:
+        state = _captured(hosted)
+    return state_bytes(hosted.name, state, _job_secret(hosted, caller))
+
+
+def _restore_op(hosted: _Hosted, caller: Optional[Caller], payload: Any) -> int:
+    """Makes a sealed state (:func:`_snapshot_op` of a replica, or a job
+    checkpoint's) the expert's; its steps."""
+    where = f"a state sent to restore expert {hosted.name!r}"
+    if not isinstance(payload, Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
+        raise TypeError(f"{where}: expected a 1-D uint8 tensor (a sealed snapshot)")
+    try:
+        name, state = open_state(payload.numpy().tobytes(), _job_secret(hosted, caller), where)
+    except SnapshotError as error:
+        raise refuse(error.kind, str(error)) from None
+    if name != hosted.name:
+        raise ValueError(f"{where}: it is expert {name!r}'s state; nothing was changed")
+    with hosted.lock:
+        _apply_state(hosted, state, where)
+        steps = hosted.steps
+    _log.info("expert %r restored from %s (step %d)", hosted.name, "a sent state", steps)
+    return steps
+
+
+def _control(hosted: _Hosted, what: Any, payload: Any, caller: Optional[Caller] = None) -> Any:
     module = hosted.module
     if what == "step":
         if hosted.optimizer is None:
@@ -808,6 +887,10 @@ def _control(hosted: _Hosted, what: Any, payload: Any) -> Any:
     if what == "load_state_dict":
         _load_state_dict(hosted, payload)
         return None
+    if what == "snapshot":
+        return _snapshot_op(hosted, caller)
+    if what == "restore":
+        return _restore_op(hosted, caller, payload)
     if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
@@ -840,7 +923,7 @@ def run_job(caller: Caller, job: Any) -> Reply:
 
 def _control_op(caller: Caller, request: Dict[str, Any]) -> Reply:
     return _guarded(caller, request.get("expert"),
-                    lambda h: _control(h, request.get("what"), request.get("payload")))
+                    lambda h: _control(h, request.get("what"), request.get("payload"), caller))
 
 
 def _release_op(caller: Caller, request: Dict[str, Any]) -> Reply:

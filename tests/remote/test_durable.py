@@ -104,9 +104,9 @@ def test_what_cannot_be_kept_is_named(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("damage,reason,kind", [
-    ("truncate", "truncated", "bad snapshot"),
-    ("flip", "checksum (HMAC-SHA256 with the job's secret) does not verify", "bad snapshot"),
-    ("header", "not a snapshot", "bad snapshot"),
+    ("truncate", "truncated", "bad MAC"),
+    ("flip", "checksum (HMAC-SHA256 with the job's secret) does not verify", "bad MAC"),
+    ("header", "not a snapshot", "malformed"),
     ("other job", "sealed for another job", "unknown job"),
 ])
 def test_a_damaged_or_foreign_snapshot_is_refused_by_path_and_reason(
@@ -145,6 +145,22 @@ def test_the_previous_snapshot_is_used_and_the_refusal_counted_and_logged(
         assert security_stats()["refused"]["unknown job"] == before + 1
         assert any(bad in r.getMessage() and "sealed for another job" in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
+    finally:
+        snapshots.close()
+
+
+def test_a_truncated_newest_snapshot_falls_back_to_the_one_before(tmp_path: Path) -> None:
+    snapshots = Snapshots(str(tmp_path), ["ffn0"], SECRET)
+    try:
+        folder = tmp_path / "ffn0"
+        write_snapshot(str(folder / "step-000000000002.snap"), "ffn0", _state(2), SECRET)
+        newest = folder / "step-000000000003.snap"
+        write_snapshot(str(newest), "ffn0", _state(3), SECRET)
+        newest.write_bytes(newest.read_bytes()[:-100])  # a crash mid-copy, say
+        before = security_stats()["refused"].get("bad MAC", 0)
+        path, state = snapshots.load("ffn0")  # type: ignore[misc]
+        assert path.endswith("step-000000000002.snap") and state.steps == 2
+        assert security_stats()["refused"]["bad MAC"] == before + 1
     finally:
         snapshots.close()
 

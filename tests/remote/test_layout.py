@@ -16,11 +16,11 @@ LAYERS: Dict[str, int] = {
     "errors": 0, "frame": 0, "compression": 0, "factory": 0, "deadlines": 0, "stopping": 0,
     "balance": 0,
     "wire": 1, "auth": 1,
-    "transport": 2, "rpc_bind": 2,
+    "transport": 2, "rpc_bind": 2, "durable": 2,
     "endpoint": 3,
     "rpc_engine": 4, "ray_engine": 4, "channel": 4,
     "sizes": 5, "state": 5, "execution": 5, "gather": 5, "membership": 5, "registry": 5,
-    "durable": 5,
+
     "server": 6,
     "batch_server": 7,
     "batching": 8,
@@ -30,8 +30,7 @@ LAYERS: Dict[str, int] = {
     "cli": 12,
     "__init__": 13,
 }
-SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution", "gather",
-               "durable"}
+SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution", "gather"}
 CLIENT_SIDE = {"channel", "batching", "client", "replicas", "balance"}
 
 
