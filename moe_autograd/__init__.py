@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # what the lazy names below resolve to, for type checkers
     from .remote import (Compression, ElasticServer, ExpertServer, Fleet, FleetExpert, JobSecret,
                          MissingSecretError, NoLiveReplica, RayAuthError, RayExpertServer,
                          RayFleet, RayTransport, RemoteAuthError, RemoteExpert, RemoteExpertError,
-                         RemoteTimeoutError, ReplicaBalancer)
+                         RemoteTimeoutError, ReplicaBalancer, ExpertState, JobState, save_job,
+                         restore_job)
 
 __all__ = [
     "EmulatedAutogradContext",
@@ -74,6 +75,10 @@ __all__ = [
     "NoLiveReplica",
     "Compression",
     "ReplicaBalancer",
+    "ExpertState",
+    "JobState",
+    "save_job",
+    "restore_job",
 ]
 
 __version__ = "0.1.0"
@@ -101,6 +106,10 @@ _LAZY: Dict[str, str] = {
     "NoLiveReplica": ".remote",
     "Compression": ".remote",
     "ReplicaBalancer": ".remote",
+    "ExpertState": ".remote",
+    "JobState": ".remote",
+    "save_job": ".remote",
+    "restore_job": ".remote",
 }
 
 

@@ -151,7 +151,9 @@ from .compression import Compression
 from .elastic import ElasticServer
 from .endpoint import register_operation, unregister_operation
 from .errors import RemoteAuthError, RemoteExpertError, RemoteTimeoutError
+from .durable import ExpertState
 from .fleet import Fleet
+from .job import JobState, restore_job, save_job
 from .membership import MembershipError
 from .ray_engine import RayAuthError, RayTransport
 from .ray_fleet import RayFleet
@@ -169,4 +171,5 @@ __all__ = ["ExpertServer", "RemoteExpert", "RemoteTimeoutError", "RemoteExpertEr
            "AutoTransport", "get_transport", "set_transport", "JobSecret", "MissingSecretError",
            "job_secret", "set_job_secret", "security_stats", "register_operation",
            "unregister_operation", "call_operation", "start_rpc", "Compression",
-           "ReplicaBalancer", "BALANCE_POLICIES"]
+           "ReplicaBalancer", "BALANCE_POLICIES", "ExpertState", "save_job", "restore_job",
+           "JobState"]

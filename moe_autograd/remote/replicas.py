@@ -52,6 +52,7 @@ from .balance import ReplicaBalancer, check_balance
 from .batching import Job
 from .client import RemoteExpert
 from .compression import Compression, resolve as resolve_codec
+from .durable import ExpertState
 from .errors import RemoteExpertError, RemoteTimeoutError
 from .transport import Transport, TransportError, check_timeout
 
@@ -256,6 +257,26 @@ class FleetExpert(nn.Module):
 
     def replicas(self) -> List[str]:
         return self.fleet.replicas(self.name)
+
+    def _direct(self, worker: str) -> RemoteExpert:
+        return RemoteExpert(worker, self.name, transport=self.fleet.transport,
+                            secret=self.fleet.secret, forward_timeout=60.0)
+
+    def remote_snapshot(self) -> ExpertState:
+        """The whole state of one live replica (the first, by the fleet's
+        order): what a job checkpoint keeps (:func:`~.job.save_job`)."""
+        replicas = self.replicas()
+        if not replicas:
+            raise NoLiveReplica(f"FleetExpert {self.name!r}: no live replica to take the "
+                                f"state of")
+        return self._direct(replicas[0]).remote_snapshot()
+
+    def restore_remote(self, state: ExpertState) -> int:
+        """Makes ``state`` the whole state of every live replica; its steps."""
+        replicas = self.replicas()
+        if not replicas:
+            raise NoLiveReplica(f"FleetExpert {self.name!r}: no live replica to restore")
+        return min(self._direct(worker).restore_remote(state) for worker in replicas)
 
     def replica_stats(self) -> Dict[str, Dict[str, Any]]:
         """The balancer's view of this name's replicas, by worker (see

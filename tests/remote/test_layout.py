@@ -26,7 +26,7 @@ LAYERS: Dict[str, int] = {
     "batching": 8,
     "client": 9,
     "replicas": 10, "loopback": 10,
-    "fleet": 11, "elastic": 11, "ray_fleet": 11, "ray_server": 11,
+    "fleet": 11, "elastic": 11, "ray_fleet": 11, "ray_server": 11, "job": 11,
     "cli": 12,
     "__init__": 13,
 }
