@@ -129,7 +129,11 @@ def test_a_damaged_or_foreign_snapshot_is_refused_by_path_and_reason(
 
 
 def test_the_previous_snapshot_is_used_and_the_refusal_counted_and_logged(
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_autograd.remote import auth
+
+    monkeypatch.setattr(auth, "_logged", {})  # earlier tests' lines do not hold this one back
     snapshots = Snapshots(str(tmp_path), ["ffn0"], SECRET)
     try:
         older, newer = _state(2), _state(3)
