@@ -25,9 +25,12 @@ torch's ``init_rpc`` then waits in silence for its process group's timeout
 (30 minutes), so a trainer started before its servers printed nothing
 (issue 43). :func:`start_rpc` first has every rank sign in at the store
 (:func:`await_members`): it logs a WARNING naming the ranks still missing
-after :data:`ARRIVAL_NOTICE_S` seconds, and raises ``TimeoutError`` naming
-them once the options' ``rpc_timeout`` has passed. Every member of a static
-world must therefore start with :func:`start_rpc` (``serve`` does).
+after :data:`ARRIVAL_NOTICE_S` seconds (and every 30 s), and raises
+``TimeoutError`` naming them after ``arrival_timeout`` seconds (default: the
+options' ``rpc_timeout``, at least :data:`ARRIVAL_TIMEOUT_S`: a member's start
+is an interpreter importing torch, which takes tens of seconds on a loaded
+machine). Every member of a static world must therefore start with
+:func:`start_rpc` (``serve`` does).
 
 Invariants:
 
@@ -56,10 +59,12 @@ import warnings
 from typing import Any, Dict, Optional, Sequence, Tuple
 
 __all__ = ["host_store", "bind_interface", "interface_for", "start_rpc", "backend_options",
-           "is_loopback", "store_address", "await_members", "IFNAME_ENV", "ARRIVAL_NOTICE_S"]
+           "is_loopback", "store_address", "await_members", "IFNAME_ENV", "ARRIVAL_NOTICE_S",
+           "ARRIVAL_TIMEOUT_S"]
 
 IFNAME_ENV = "TP_SOCKET_IFNAME"
 ARRIVAL_NOTICE_S = 5.0  # a rank still waiting for the others says so after this long
+ARRIVAL_TIMEOUT_S = 120.0  # the least time start_rpc gives the other ranks to come
 _ARRIVED = "moe_autograd_arrived/"  # + rank: a member of a static world signed in
 _log = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a ProcessGroup",
@@ -189,9 +194,9 @@ def await_members(name: str, rank: int, world_size: int, host: str, port: int,
             store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout))
         except Exception as error:  # noqa: BLE001 - torch's DistStoreError, RuntimeError...
             raise TimeoutError(f"start_rpc({name!r}, rank {rank}): cannot reach the world's "
-                               f"store at {where} within {timeout:g} s (the options' "
-                               f"rpc_timeout): is rank 0 started, with this address and "
-                               f"port? ({type(error).__name__}: {error})") from error
+                               f"store at {where} within {timeout:g} s: is rank 0 started, "
+                               f"with this address and port? ({type(error).__name__}: "
+                               f"{error})") from error
     store.set(f"{_ARRIVED}{rank}", name)
     keys = [f"{_ARRIVED}{r}" for r in range(world_size)]
     next_notice = started + notice
@@ -203,9 +208,9 @@ def await_members(name: str, rank: int, world_size: int, host: str, port: int,
         if now - started >= timeout:
             raise TimeoutError(
                 f"start_rpc({name!r}, rank {rank}): rank(s) {missing} of the world of "
-                f"{world_size} at {where} did not come within {timeout:g} s (the options' "
-                f"rpc_timeout): start them (python -m moe_autograd serve ... --rank R "
-                f"--world-size {world_size}, or start_rpc), with the same address and port")
+                f"{world_size} at {where} did not come within {timeout:g} s: start them "
+                f"(python -m moe_autograd serve ... --rank R --world-size {world_size}, or "
+                f"start_rpc), with the same address and port")
         if now >= next_notice:
             _log.warning("start_rpc(%r, rank %d): waiting for rank(s) %s of the world of %d "
                          "at %s (%.0f s so far; giving up after %g s)", name, rank, missing,
@@ -214,12 +219,14 @@ def await_members(name: str, rank: int, world_size: int, host: str, port: int,
         pause(0.05)
 
 
-def start_rpc(name: str, rank: int, world_size: Optional[int], options: Any) -> None:
+def start_rpc(name: str, rank: int, world_size: Optional[int], options: Any, *,
+              arrival_timeout: Optional[float] = None) -> None:
     """``rpc.init_rpc(name, rank, world_size, options)``, listening only where
     the world is (see the module docstring): rank 0 hosts the store on the
     store's host; every rank's TensorPipe binds the interface facing it. In a
     static world, every rank first waits for the others at the store, at
-    most the options' ``rpc_timeout`` (:func:`await_members`)."""
+    most ``arrival_timeout`` seconds (:func:`await_members`; default: the
+    options' ``rpc_timeout``, at least :data:`ARRIVAL_TIMEOUT_S`)."""
     from torch.distributed import rpc
 
     host, port = store_address(options.init_method)
@@ -227,5 +234,7 @@ def start_rpc(name: str, rank: int, world_size: Optional[int], options: Any) -> 
     if rank == 0:
         host_store(host, port)
     if world_size is not None and world_size > 1:
-        await_members(name, rank, world_size, host, port, float(options.rpc_timeout))
+        if arrival_timeout is None:
+            arrival_timeout = max(float(options.rpc_timeout), ARRIVAL_TIMEOUT_S)
+        await_members(name, rank, world_size, host, port, arrival_timeout)
     rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=options)

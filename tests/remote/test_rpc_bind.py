@@ -110,8 +110,8 @@ class _Clock:
 def test_a_rank_whose_peers_never_come_says_so_then_names_them(caplog) -> None:
     """The trainer of the two-machine recipe started with no server: a
     WARNING naming the missing rank after ARRIVAL_NOTICE_S, then a
-    TimeoutError naming it at the options' rpc_timeout (was: silent until
-    torch's 30-minute process-group timeout)."""
+    TimeoutError naming it at its timeout (was: silent until torch's
+    30-minute process-group timeout)."""
     from moe_autograd.remote.loopback import free_port
 
     port = free_port()
@@ -123,9 +123,9 @@ def test_a_rank_whose_peers_never_come_says_so_then_names_them(caplog) -> None:
                                pause=clock.pause)
     assert str(info.value) == (
         f"start_rpc('trainer', rank 0): rank(s) [1, 2] of the world of 3 at "
-        f"tcp://127.0.0.1:{port} did not come within 60 s (the options' rpc_timeout): start "
-        f"them (python -m moe_autograd serve ... --rank R --world-size 3, or start_rpc), with "
-        f"the same address and port")
+        f"tcp://127.0.0.1:{port} did not come within 60 s: start them (python -m "
+        f"moe_autograd serve ... --rank R --world-size 3, or start_rpc), with the same "
+        f"address and port")
     assert 60.0 <= clock.now < 60.2
     notices = [r.getMessage() for r in caplog.records]
     assert len(notices) == 2 and all("waiting for rank(s) [1, 2] of the world of 3" in n
@@ -159,6 +159,6 @@ def test_a_rank_that_finds_no_store_names_it() -> None:
 
     port = free_port()
     with pytest.raises(TimeoutError, match=rf"^start_rpc\('server', rank 1\): cannot reach the "
-                       rf"world's store at tcp://127.0.0.1:{port} within 1 s \(the options' "
-                       rf"rpc_timeout\): is rank 0 started"):
+                       rf"world's store at tcp://127.0.0.1:{port} within 1 s: is rank 0 "
+                       rf"started"):
         rpc_bind.await_members("server", 1, 2, "127.0.0.1", port, 1.0)
