@@ -146,6 +146,7 @@ GROUPS: Dict[str, Callable[[bool], List[Row]]] = {
     "elastic": _external("elastic", f"{__name__}.elastic"),
     "ray-elastic": _external("ray-elastic", f"{__name__}.ray_elastic"),
     "replicas": _external("replicas", f"{__name__}.replicas"),
+    "durable": lambda quick: importlib.import_module(f"{__name__}.durable").bench_durable(quick),
     "gpu": lambda quick: _gpu(quick, "cuda"),
 }
 

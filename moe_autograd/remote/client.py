@@ -512,7 +512,7 @@ class RemoteExpert(nn.Module):
         sealed = self._control("snapshot")
         if not isinstance(sealed, Tensor):
             raise RemoteExpertError(f"{self._where('snapshot')}: the reply is not a snapshot")
-        _, state = open_state(sealed.numpy().tobytes(), resolve_secret(self.secret),
+        _, state = open_state(sealed.numpy(), resolve_secret(self.secret),
                               f"the state of {self._where('snapshot')}")
         return state
 

@@ -219,37 +219,37 @@ def open_state(data: Any, secret: JobSecret, where: str) -> Tuple[str, ExpertSta
     transfer's: ``where`` names it in errors); raises :class:`SnapshotError`
     for anything that does not check, before anything of it is decoded."""
     path = where
-    data = bytes(data)
+    data = memoryview(data).cast("B")  # bytes, bytearray, a NumPy array: no copy
     fixed = len(MAGIC) + _LENGTH.size
-    if len(data) < fixed + _TAG_BYTES or not data.startswith(MAGIC):
+    if len(data) < fixed + _TAG_BYTES or bytes(data[:len(MAGIC)]) != MAGIC:
         raise SnapshotError(path, "not a snapshot, or truncated before its header "
                                   f"({len(data)} bytes)", kind="malformed")
     (size,) = _LENGTH.unpack_from(data, len(MAGIC))
     if size > _MAX_HEADER or fixed + size + _TAG_BYTES > len(data):
         raise SnapshotError(path, f"truncated: its header announces {size} bytes, the file "
                                   f"has {len(data)}", kind="malformed")
-    view = memoryview(data)
+    view = data
     end = len(data) - _TAG_BYTES
     tag = secret.mac([_DOMAIN, view[:end]])
     if not hmac.compare_digest(tag, bytes(view[end:])):
-        job = _job_of(data[fixed:fixed + size])
+        job = _job_of(bytes(data[fixed:fixed + size]))
         if job is not None and job != secret.key_id.hex():
             raise SnapshotError(path, f"sealed for another job (key id {job[:16]}, this job's "
                                       f"is {secret.key_id.hex()})", kind="unknown job")
         raise SnapshotError(path, "its checksum (HMAC-SHA256 with the job's secret) does not "
                                   "verify: altered, corrupt or truncated")
     try:  # sealed by this job: from here on, only a bug of ours could fail
-        header = json.loads(data[fixed:fixed + size])
+        header = json.loads(bytes(data[fixed:fixed + size]))
         if fixed + size + int(header["payload_bytes"]) != end:
             raise ValueError("the payload's length is not the header's")
         tensors = []
-        payload = bytearray(view[fixed + size:end])  # one writable copy, then views of it
+        payload = bytearray(view[fixed + size:end])  # one copy, its own: the tensors view it
         for entry in header["tensors"]:
             dtype = DTYPES[entry["dtype"]]
             raw = torch.frombuffer(payload, dtype=torch.uint8, count=int(entry["bytes"]),
                                    offset=int(entry["at"])) if entry["bytes"] else \
                 torch.empty(0, dtype=torch.uint8)
-            tensors.append(raw.view(dtype).reshape(entry["shape"]).clone())
+            tensors.append(raw.view(dtype).reshape(entry["shape"]))
         body = header["body"]
         state = ExpertState(_decode(body["module"], tensors), _decode(body["optimizer"], tensors),
                             int(header["steps"]), int(header["skipped_steps"]),

@@ -604,9 +604,11 @@ def _copied(value: Any) -> Any:
 
 
 def _captured(hosted: _Hosted) -> ExpertState:
-    """A copy of what a snapshot keeps of ``hosted``. Needs ``hosted.lock``."""
-    module = {k: v.detach().cpu().clone() for k, v in hosted.module.state_dict().items()}
-    optimizer = _copied(hosted.optimizer.state_dict()) if hosted.optimizer is not None else None
+    """What a snapshot keeps of ``hosted``: its live tensors, not copies (the
+    caller holds ``hosted.lock`` until it has written or sealed them: no step
+    changes them meanwhile)."""
+    module = {k: v.detach() for k, v in hosted.module.state_dict().items()}
+    optimizer = hosted.optimizer.state_dict() if hosted.optimizer is not None else None
     return ExpertState(module, optimizer, hosted.steps, hosted.skipped_steps)
 
 
@@ -843,9 +845,8 @@ def _job_secret(hosted: _Hosted, caller: Optional[Caller]) -> JobSecret:
 
 def _snapshot_op(hosted: _Hosted, caller: Optional[Caller]) -> Tensor:
     """The expert's whole state, sealed for the caller's job (a peer transfer)."""
-    with hosted.lock:
-        state = _captured(hosted)
-    return state_bytes(hosted.name, state, _job_secret(hosted, caller))
+    with hosted.lock:  # sealed from the live tensors: no step until it is done
+        return state_bytes(hosted.name, _captured(hosted), _job_secret(hosted, caller))
 
 
 def _restore_op(hosted: _Hosted, caller: Optional[Caller], payload: Any) -> int:
@@ -855,7 +856,7 @@ def _restore_op(hosted: _Hosted, caller: Optional[Caller], payload: Any) -> int:
     if not isinstance(payload, Tensor) or payload.dtype != torch.uint8 or payload.dim() != 1:
         raise TypeError(f"{where}: expected a 1-D uint8 tensor (a sealed snapshot)")
     try:
-        name, state = open_state(payload.numpy().tobytes(), _job_secret(hosted, caller), where)
+        name, state = open_state(payload.contiguous().numpy(), _job_secret(hosted, caller), where)
     except SnapshotError as error:
         raise refuse(error.kind, str(error)) from None
     if name != hosted.name:
