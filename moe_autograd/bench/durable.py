@@ -121,8 +121,9 @@ def bench_durable(quick: bool) -> List[Row]:
         nbytes = int(state_mb * 1e6)
         copy, close_socket = _socket_copy(nbytes)
         durable = experts["durable"]
-        samples = measure({"socket": copy, "transfer": lambda: durable.remote_snapshot()},
-                          plan.reps, plan.warmup)
+        def transfer() -> None:
+            durable.remote_snapshot()
+        samples = measure({"socket": copy, "transfer": transfer}, plan.reps, plan.warmup)
         mbps = nbytes / 1e3 / sorted(samples["transfer"])[len(samples["transfer"]) // 2]
         raw = nbytes / 1e3 / sorted(samples["socket"])[len(samples["socket"]) // 2]
         rows.append(compare("durable/peer-transfer", samples, "socket", "transfer", None,
