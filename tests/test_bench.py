@@ -202,3 +202,18 @@ def test_local_ray_is_private_and_authenticated(tmp_path) -> None:
                     "temp_inside": True, "addresses": ["127.0.0.1"], "worker_auth": "token",
                     "dir_removed": True, "disconnected": True, "env_restored": True}, seen
     assert not os.path.exists(tmp_path / ".ray"), os.listdir(tmp_path / ".ray")
+
+
+@pytest.mark.timeout(180)
+def test_quick_durable_rows(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 44's rows run (no timing asserted) and leave no state directory."""
+    import glob
+    import tempfile
+
+    before = set(glob.glob(f"{tempfile.gettempdir()}/moe-bench-durable-*"))
+    assert bench.main(["--quick", "--only", "durable"]) == 0
+    out = capsys.readouterr().out
+    for name in ("durable/save-overhead", "durable/peer-transfer"):
+        assert any(line.startswith(name) for line in out.splitlines()), out
+    assert "MB/s" in out
+    assert set(glob.glob(f"{tempfile.gettempdir()}/moe-bench-durable-*")) == before
