@@ -152,6 +152,17 @@ def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
         yield Backend("ray", ray_world["transport"], ray_world["servers"])
 
 
+@pytest.fixture(autouse=True)
+def _the_jobs_secret_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test leaves this process's default job secret as it found it: a
+    test that runs ``serve``'s main in process with a secret file of its own
+    made it the default (``set_job_secret``), and every later test's servers
+    and clients then belonged to different jobs (issue 43's runs under load)."""
+    from moe_autograd.remote import auth
+
+    monkeypatch.setattr(auth, "_default", auth._default)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fault plans (tests/remote/test_fault_plans.py)")
     group.addoption("--plans", type=int, default=0, metavar="N",

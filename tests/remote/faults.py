@@ -102,6 +102,7 @@ from torch import Tensor, nn
 
 WIDTH = 8
 TOKENS = 16
+RAY_START_S = 240.0  # wiring.RAY_START_S: an actor's start on 2 loaded cores
 SERVERS: Dict[str, str] = {"s0": "stateless", "s1": "stateful"}
 HOSTED: Dict[str, Tuple[str, ...]] = {"s0": ("r0", "r1", "f0", "f2"),
                                       "s1": ("r2", "r3", "f1", "f2")}
@@ -642,7 +643,8 @@ class _RayWorld:
                 try:  # a dead actor's name is freed a moment after its death
                     self.servers[name] = RayExpertServer(
                         name, functools.partial(ray_experts, name), namespace=self.NAMESPACE,
-                        backward=SERVERS[name], state_ttl=10.0, ready_timeout=60.0, wait=False)
+                        backward=SERVERS[name], state_ttl=10.0, ready_timeout=RAY_START_S,
+                        wait=False)
                     break
                 except ValueError:
                     if time.monotonic() > deadline:

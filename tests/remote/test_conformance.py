@@ -23,7 +23,7 @@ from moe_autograd.remote import (RemoteCall, RemoteExpert, RemoteExpertError,
 from moe_autograd.remote.channel import request
 from moe_autograd.remote.loopback import free_port, start_servers, stop_processes
 from moe_autograd.remote.transport import AutoTransport, choose_backend, get_transport
-from wiring import Backend
+from wiring import RAY_START_S, Backend
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -267,6 +267,7 @@ def _rpc_kill_world() -> Dict[str, Any]:
     return report
 
 
+@pytest.mark.timeout(60 + RAY_START_S)  # (Ray) an actor started in the test
 def test_killed_server_is_masked_within_its_deadline(backend: Backend) -> None:
     if backend.name == "rpc":  # a static world cannot take a member: a world of its own
         report = _rpc_kill_world()
@@ -276,7 +277,8 @@ def test_killed_server_is_masked_within_its_deadline(backend: Backend) -> None:
 
         from moe_autograd.remote import RayExpertServer
 
-        doomed = RayExpertServer("srv-k", "remote_experts:kill_experts", ready_timeout=60.0)
+        doomed = RayExpertServer("srv-k", "remote_experts:kill_experts",
+                                 ready_timeout=RAY_START_S)
         try:
             report = rx.killed_server_steps(backend.transport, "srv-a", "srv-k",
                                             lambda: os.kill(doomed.pid, signal.SIGKILL))

@@ -17,6 +17,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 import faults
+from faults import RAY_START_S
 from started import Started
 
 HERE = Path(__file__).resolve().parent
@@ -107,11 +108,11 @@ def fixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
             if name not in _FIXED and (name != "ray" or ray_ok):
                 _FIXED[name] = _Trainer(faults.FIXED_PLANS, 1800,
                                         tmp_path_factory.mktemp(f"fixed-plans-{name}"), name,
-                                        240.0)
+                                        240.0 + RAY_START_S)  # actors start (again) in plans
     return _FIXED.pop(engine).finish()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300 + RAY_START_S)
 def test_fixed_plans_hold_every_contract(fixed: Tuple[Dict[str, Any], int, str]) -> None:
     report, status, output = fixed
     assert not report["problems"], _summary(report, status, output)
@@ -123,7 +124,7 @@ def test_fixed_plans_hold_every_contract(fixed: Tuple[Dict[str, Any], int, str])
           + ", ".join(f"{p['name']} {p['seconds']:.1f} s" for p in report["plans"]) + ")")
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300 + RAY_START_S)
 def test_plans_inject_what_they_say(fixed: Tuple[Dict[str, Any], int, str]) -> None:
     """The harness itself: every (phase, kind) pair of the fixed plans left
     its mark (a fault that did nothing would make the checks vacuous)."""
@@ -138,7 +139,7 @@ def test_plans_inject_what_they_say(fixed: Tuple[Dict[str, Any], int, str]) -> N
     assert any(step["dropped"] for plan in report["plans"] for step in plan["steps"])
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300 + RAY_START_S)
 def test_replica_dies_between_forward_and_backward(fixed: Tuple[Dict[str, Any], int, str]
                                                    ) -> None:
     """Issue 18, item 6: a replica killed (SIGKILL) after serving a forward

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from moe_autograd.remote import RemoteExpert, RemoteExpertError
-from wiring import ray_token_env
+from wiring import RAY_START_S, ray_token_env
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(90 + 2 * RAY_START_S)  # serve processes start actors
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
@@ -32,7 +32,8 @@ def _serve(name: str, address: str, log: Path) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def _wait_until_serving(process: subprocess.Popen, log: Path, timeout: float = 60.0) -> None:
+def _wait_until_serving(process: subprocess.Popen, log: Path,
+                        timeout: float = RAY_START_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert process.poll() is None, f"the server exited with {process.returncode}: " \

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 import remote_experts as rx
+from wiring import RAY_START_S
 from moe_autograd.moe import MixtureOfExperts
 from moe_autograd.remote import JobSecret
 from moe_autograd.remote.ray_server import RayExpertServer, start_servers
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(90 + 2 * RAY_START_S)  # actors started in the test
 
 
 def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
@@ -26,14 +27,14 @@ def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
 
     servers = start_servers([("fl-1", "remote_experts:fleet_experts"),
                              ("fl-2", "remote_experts:fleet_experts")],
-                            backward="stateful", ready_timeout=60.0)
+                            backward="stateful", ready_timeout=RAY_START_S)
     extra: List[Any] = []
     fleet: Optional[RayFleet] = None
     try:
         # another job's server in the same namespace, hosting the same name
         other = JobSecret.generate().save(tmp_path / "other.secret")
         extra.append(RayExpertServer("fl-x", "remote_experts:fleet_experts", secret_file=other,
-                                     ready_timeout=60.0))
+                                     ready_timeout=RAY_START_S))
         fleet = RayFleet(poll=0.1, transport=ray_world["transport"])
         fleet.wait_for(["f_lin"], timeout=20.0, replicas=2)
         assert fleet.replicas("f_lin") == ["fl-1", "fl-2"]  # discovery by name, oldest first
@@ -69,7 +70,7 @@ def test_ray_fleet_replicas_kill_join_and_drain(ray_world: Dict[str, Any],
 
         # a replacement joins and is chosen once the dead one is forgotten
         extra.append(RayExpertServer("fl-3", "remote_experts:fleet_experts",
-                                     backward="stateful", ready_timeout=60.0))
+                                     backward="stateful", ready_timeout=RAY_START_S))
         fleet.wait_for(["f_lin"], timeout=20.0, replicas=2)
         deadline = time.monotonic() + 20.0
         while "fl-1" in fleet.servers() and time.monotonic() < deadline:
@@ -113,7 +114,7 @@ def test_ray_fleet_calls_avoid_a_slow_replica(ray_world: Dict[str, Any]) -> None
     from moe_autograd.remote.ray_fleet import RayFleet
 
     servers = start_servers([("bl-slow", "remote_experts:balanced_experts_slow")],
-                            ready_timeout=60.0)
+                            ready_timeout=RAY_START_S)
     fleet: Optional[RayFleet] = None
     try:
         fleet = RayFleet(poll=0.1, transport=ray_world["transport"])

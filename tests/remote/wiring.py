@@ -33,6 +33,11 @@ SECRET = JobSecret.from_hex(os.environ[ENV_SECRET]) if os.environ.get(ENV_SECRET
 os.environ[ENV_SECRET] = SECRET.hex()
 _ray: List[Any] = []  # [the ExitStack of the Ray this process started, its LocalRay]
 
+#: How long a test gives a Ray actor (a worker process importing torch) to
+#: start: about 5 s on a quiet machine, past 60 s on 2 cores at load 6
+#: (issue 43's runs under load). Tests that start actors add it to their limit.
+RAY_START_S = 240.0
+
 
 def init_local_ray(python_path: Tuple[str, ...] = (), **options: Any) -> Any:
     """A new local Ray of this process's own, connected until
