@@ -16,44 +16,18 @@ import shutil
 import socket
 import tempfile
 import threading
-from typing import Any, List, Optional
+from typing import Any, List
 
 import torch
 from torch import nn
 
-from ..remote import ExpertServer, JobSecret, RemoteExpert, endpoint
-from ..remote.frame import Frame
+from ..remote import ExpertServer, JobSecret, RemoteExpert
+from ..remote.loopback import InProcess
 from .measure import Plan, Row, compare, measure
 
 __all__ = ["bench_durable"]
 
 WIDTH, HIDDEN, ROWS = 256, 1024, 64
-
-
-class _Done:
-    def __init__(self, frame: Frame) -> None:
-        self.frame = frame
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: Optional[float]) -> Frame:
-        return self.frame
-
-    def add_done_callback(self, fn: Any) -> None:
-        fn()
-
-
-class _InProcess:
-    """Frames served by this process's endpoint, as the worker ``here``."""
-
-    name = "in-process"
-
-    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> _Done:
-        return _Done(endpoint.serve(frame, worker))
-
-    def local_name(self) -> str:
-        return "bench"
 
 
 def _expert() -> nn.Module:
@@ -88,7 +62,7 @@ def _socket_copy(nbytes: int) -> Any:
 def bench_durable(quick: bool) -> List[Row]:
     plan = Plan.pick(quick, Plan(warmup=2, reps=15), Plan(warmup=1, reps=3))
     secret = JobSecret.generate()
-    transport = _InProcess()
+    transport = InProcess("bench")
     directory = tempfile.mkdtemp(prefix="moe-bench-durable-")
     adam = lambda params: torch.optim.Adam(params, lr=1e-3)  # noqa: E731
     servers = [ExpertServer({"plain": _expert()}, optimizer=adam, secret=secret,

@@ -65,7 +65,8 @@ from .auth import JobSecret, refuse
 from .wire import DTYPES
 
 __all__ = ["ExpertState", "Snapshots", "SnapshotError", "write_snapshot", "read_snapshot",
-           "open_state", "state_bytes", "sealed_parts", "snapshot_paths", "MAGIC", "KEEP"]
+           "open_state", "state_bytes", "sealed_parts", "snapshot_paths", "numbered", "MAGIC",
+           "KEEP"]
 
 MAGIC = b"moe_autograd snapshot 1\n"
 KEEP = 3  # snapshots kept per expert
@@ -274,21 +275,27 @@ def _folder(directory: str, expert: str) -> str:
     return os.path.join(directory, urllib.parse.quote(expert, safe=""))
 
 
-def snapshot_paths(directory: str, expert: str) -> List[Tuple[int, str]]:
-    """``(steps, path)`` of ``expert``'s snapshots in ``directory``, newest first."""
-    folder = _folder(directory, expert)
+def numbered(folder: str, prefix: str, suffix: str = "") -> List[Tuple[int, str]]:
+    """``(number, path)`` of the entries of ``folder`` named
+    ``<prefix><number><suffix>``, highest number first (none if no folder)."""
     found = []
     try:
         names = os.listdir(folder)
     except FileNotFoundError:
         return []
     for name in names:
-        if name.startswith("step-") and name.endswith(".snap"):
+        if name.startswith(prefix) and name.endswith(suffix):
             try:
-                found.append((int(name[5:-5]), os.path.join(folder, name)))
+                found.append((int(name[len(prefix):len(name) - len(suffix)]),
+                              os.path.join(folder, name)))
             except ValueError:
                 continue
     return sorted(found, reverse=True)
+
+
+def snapshot_paths(directory: str, expert: str) -> List[Tuple[int, str]]:
+    """``(steps, path)`` of ``expert``'s snapshots in ``directory``, newest first."""
+    return numbered(_folder(directory, expert), "step-", ".snap")
 
 
 # -- one server's experts -------------------------------------------------------------------

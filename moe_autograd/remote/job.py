@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .auth import JobSecret, refuse, resolve_secret
-from .durable import ExpertState, SnapshotError, read_snapshot, write_snapshot
+from .durable import ExpertState, SnapshotError, numbered, read_snapshot, write_snapshot
 
 __all__ = ["save_job", "restore_job", "JobState", "KEEP_JOBS"]
 
@@ -98,18 +98,7 @@ def save_job(directory: str, step: int, *, modules: Mapping[str, nn.Module] = {}
 
 
 def _checkpoints(directory: str) -> List[Tuple[int, str]]:
-    found = []
-    try:
-        names = os.listdir(directory)
-    except FileNotFoundError:
-        return []
-    for name in names:
-        if name.startswith("job-"):
-            try:
-                found.append((int(name[4:]), os.path.join(directory, name)))
-            except ValueError:
-                continue
-    return sorted(found, reverse=True)
+    return numbered(directory, "job-")
 
 
 def _read(path: str, secret: JobSecret) -> Tuple[ExpertState, Dict[str, ExpertState]]:

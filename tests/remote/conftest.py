@@ -189,6 +189,7 @@ def _uses_ray(item: Any) -> bool:
     return "ray_world" in getattr(item, "fixturenames", ()) or _backend(item) == "ray"
 
 
+@pytest.hookimpl(trylast=True)  # after -k/-m deselected: "the first test" is one that runs
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
     """Runs this directory's tests that use the shared world back to back
     (first, in their collected order), then those that use the shared Ray

@@ -59,6 +59,18 @@ def stride0(nbytes: int) -> Tensor:
     return torch.zeros(1, WIDTH).expand(nbytes // (4 * WIDTH), WIDTH)
 
 
+class _Recording(InProcess):
+    """The in-process transport, noting each frame it carries in ``sent``."""
+
+    def __init__(self, sent: List[str]) -> None:
+        super().__init__(HERE)
+        self.sent = sent
+
+    def call(self, worker: str, frame: Any, timeout: Any) -> Any:
+        self.sent.append(frame.label)
+        return super().call(worker, frame, timeout)
+
+
 @pytest.fixture
 def limited() -> Iterator[Tuple[CountingLinear, CountingLinear]]:
     a, b = CountingLinear(), CountingLinear()
@@ -191,12 +203,7 @@ def test_arguments_that_cannot_travel_are_refused_before_sending(limited: Any,
     naming where it is, and never reaches a server."""
     a, _ = limited
     sent: List[str] = []
-
-    class Recording(InProcess):
-        def call(self, worker: str, frame: Any, timeout: Any) -> Any:
-            sent.append(frame.label)
-            return super().call(worker, frame, timeout)
-    expert = RemoteExpert(HERE, "lim_a", transport=Recording(HERE))
+    expert = RemoteExpert(HERE, "lim_a", transport=_Recording(sent))
     with pytest.raises(TypeError, match="argument list\\[1\\].*(cannot travel|keys must be str)"):
         expert(torch.randn(4, WIDTH), extra)
     assert sent == [] and a.calls == 0
@@ -219,12 +226,7 @@ def test_bad_arguments_are_refused_by_name_before_any_copy_or_send(limited: Any,
     TypeError names the call and the argument, and nothing is sent."""
     a, _ = limited
     sent: List[str] = []
-
-    class Recording(InProcess):
-        def call(self, worker: str, frame: Any, timeout: Any) -> Any:
-            sent.append(frame.label)
-            return super().call(worker, frame, timeout)
-    expert = RemoteExpert(HERE, "lim_a", transport=Recording(HERE))
+    expert = RemoteExpert(HERE, "lim_a", transport=_Recording(sent))
     with pytest.raises(TypeError) as info:
         expert(*args)
     assert str(info.value) == f"the arguments of forward of expert 'lim_a' on worker {HERE!r}: " \

@@ -6,9 +6,10 @@ test worlds, an in-process transport, raw requests, and a counting transport.
   ``MOE_AUTOGRAD_SECRET``, so that every process it starts afterwards (test
   clients, servers, CLI runs) reads the same one as its default; Ray actors
   get it from a private file (:class:`~moe_autograd.remote.RayExpertServer`).
-* :class:`InProcess`: a transport that hands each frame to this process's
-  own endpoint, synchronously (servers built in this process answer it):
-  the whole wire (seal, encode, open, decode) without an engine.
+* :class:`InProcess` (:mod:`moe_autograd.remote.loopback`'s, imported here):
+  a transport that hands each frame to this process's own endpoint,
+  synchronously (servers built in this process answer it): the whole wire
+  (seal, encode, open, decode) without an engine.
 * :func:`ask`: a raw request (a message dict) to a worker: its reply pair.
 * :class:`Counting`: a transport that records the operation of each message
   it carries (``"batch"``, ``"collect"``, ``"forward"``, ``"backward"``, ...).
@@ -22,10 +23,11 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from moe_autograd.remote import JobSecret, RemoteExpert, call_operation, endpoint
+from moe_autograd.remote import JobSecret, RemoteExpert, call_operation
 from moe_autograd.remote.auth import ENV_SECRET, Caller
 from moe_autograd.remote.channel import request
 from moe_autograd.remote.frame import Frame
+from moe_autograd.remote.loopback import Done, InProcess  # noqa: F401 - the tests import them here
 from moe_autograd.remote.transport import Transport, get_transport
 
 SECRET = JobSecret.from_hex(os.environ[ENV_SECRET]) if os.environ.get(ENV_SECRET) \
@@ -64,37 +66,6 @@ def ray_token_env() -> Dict[str, str]:
     """The environment a process needs to join the Ray this process started."""
     here = _ray[1]
     return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": os.path.join(here.dir, "auth_token")}
-
-
-class Done:
-    """A pending that is done already."""
-
-    def __init__(self, frame: Frame) -> None:
-        self.frame = frame
-
-    def done(self) -> bool:
-        return True
-
-    def result(self, timeout: Optional[float]) -> Frame:
-        return self.frame
-
-    def add_done_callback(self, fn: Any) -> None:
-        fn()
-
-
-class InProcess:
-    """Serves frames with this process's endpoint, as the named worker."""
-
-    name = "in-process"
-
-    def __init__(self, me: str = "client") -> None:
-        self.me = me
-
-    def call(self, worker: str, frame: Frame, timeout: Optional[float]) -> Done:
-        return Done(endpoint.serve(frame, worker))
-
-    def local_name(self) -> str:
-        return self.me
 
 
 def caller(session: bytes = b"s" * 16, secret: JobSecret = SECRET) -> Caller:
