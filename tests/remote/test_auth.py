@@ -158,6 +158,28 @@ def test_the_replay_window_takes_reordering_and_refuses_repeats(secret: JobSecre
     gate.open(sealed(other)[0], "srv")
 
 
+def test_the_replay_window_boundary_is_exact() -> None:
+    """A number exactly WINDOW behind the newest is outside the window
+    (issue 46: a mutant taking ``>`` for ``>=`` survived the suite)."""
+    window = auth._Window()
+    assert window.accept(auth.WINDOW, 0.0)
+    assert window.accept(1, 0.0)       # WINDOW - 1 behind: inside, not seen: taken
+    assert not window.accept(1, 0.0)   # seen: a replay
+    assert not window.accept(0, 0.0)   # exactly WINDOW behind: outside, refused
+
+
+def test_a_request_dated_in_the_future_is_stale_too(secret: JobSecret, gate: Gate,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freshness is a distance: a request sent an hour ahead of this clock is
+    refused as one sent an hour ago is (issue 46: a mutant dropping ``abs``
+    survived the suite)."""
+    frame, _ = sealed(Session(secret))
+    early = time.time() - 3600  # this server's clock an hour behind the sender's
+    monkeypatch.setattr(auth.time, "time", lambda: early)
+    with pytest.raises(Refused, match="stale"):
+        gate.open(frame, "srv")
+
+
 def test_a_logged_refusal_is_rate_limited(secret: JobSecret, gate: Gate,
                                           caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="moe_autograd.remote.auth")
