@@ -860,7 +860,7 @@ def _restore_op(hosted: _Hosted, caller: Optional[Caller], payload: Any) -> int:
     except SnapshotError as error:
         raise refuse(error.kind, str(error)) from None
     if name != hosted.name:
-        raise ValueError(f"{where}: it is expert {name!r}'s state; nothing was changed")
+        raise ValueError(f"{where}: it holds the state of expert {name!r}; nothing was changed")
     with hosted.lock:
         _apply_state(hosted, state, where)
         steps = hosted.steps

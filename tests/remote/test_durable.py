@@ -301,3 +301,33 @@ def test_serve_takes_the_state_options_and_refuses_them_alone(
                      "--world-size", "2", "--secret-file", secret, *extra]) == 2
         err = capsys.readouterr().err
         assert words in err and "usage:" not in err, err
+
+
+def test_a_state_sent_from_another_job_or_expert_is_refused_and_nothing_changes(
+        tmp_path: Path) -> None:
+    """A peer transfer carries the job's authentication: a state sealed with
+    another job's secret is refused (counted), one of another expert too, and
+    the expert keeps its state; its own state goes back and forth exactly."""
+    from moe_autograd.remote import RemoteExpertError
+    from moe_autograd.remote.durable import state_bytes
+
+    server = _serve(tmp_path)
+    try:
+        expert = RemoteExpert(HERE, "dur", transport=InProcess(HERE))
+        train(expert, 2)
+        before = expert.remote_state_dict()
+        state = expert.remote_snapshot()
+        assert state.steps == 2 and all(torch.equal(state.module[k], before[k]) for k in before)
+        refused = security_stats()["refused"].get("unknown job", 0)
+        with pytest.raises(RemoteExpertError, match="sealed for another job"):
+            expert._control("restore", state_bytes("dur", state, JobSecret.generate()))
+        assert security_stats()["refused"]["unknown job"] == refused + 1
+        with pytest.raises(RemoteExpertError, match="it holds the state of expert 'other'; "
+                                                    "nothing was changed"):
+            expert._control("restore", state_bytes("other", state, SECRET))
+        train(expert, 1, first=2)
+        assert expert.restore_remote(state) == 2  # back to step 2, exactly
+        assert_same_state(expert.remote_state_dict(), before)
+        assert expert.remote_stats()["expert_steps"] == 2
+    finally:
+        server.close()
