@@ -285,9 +285,12 @@ class ExpertServer:
             raise ValueError("save_every and save_interval need a state_dir")
         with _registry_lock:
             taken = sorted(set(hosted) & set(_experts))
-            if taken:
-                raise ValueError(f"experts {taken} are already served in this process")
-            _experts.update(hosted)
+            if not taken:
+                _experts.update(hosted)
+        if taken:
+            if self.snapshots is not None:
+                self.snapshots.close()  # (nothing was saved: their folders are free again)
+            raise ValueError(f"experts {taken} are already served in this process")
         endpoint.gate().admit(self.secrets)
         self._hosted = list(hosted.values())
         self.names: List[str] = list(hosted)
