@@ -110,10 +110,13 @@ class Job:
     worker 'w'``) and ``limit()`` the transport's timeout; ``decode(value)``
     turns the server's ``["ok", value]`` into the call's result (raising
     :class:`RemoteExpertError` if malformed); ``abandon()``, if set, runs when
-    the caller gives up on the call (deadline, Ctrl-C)."""
+    the caller gives up on the call (deadline, Ctrl-C). ``deliver()``, if
+    set, obtains the reply by the caller's own means instead of sending
+    ``message`` to ``worker`` (a fleet's backward of a training expert goes to
+    every replica: :mod:`.mirrored`); it raises as a sent request would."""
 
     __slots__ = ("transport", "worker", "message", "timeout", "where", "limit", "decode",
-                 "abandon", "answer_by", "secret")
+                 "abandon", "answer_by", "secret", "deliver")
 
     def __init__(self, transport: Transport, worker: str, message: Dict[str, Any],
                  timeout: Optional[float], where: Callable[[], str], limit: Callable[[], str],
@@ -125,6 +128,7 @@ class Job:
         #: When the caller needs the answer (its deadline, or the pass's if
         #: sooner): the server holds no ready answer back past it.
         self.answer_by = timeout
+        self.deliver: Optional[Callable[[], Any]] = None
 
     @property
     def op(self) -> str:
@@ -163,10 +167,13 @@ def run_sync(job: Job) -> Any:
     resolution, e.g. whole milliseconds for TensorPipe)."""
     start = time.monotonic()
     try:
-        pending = send_request(job.transport, job.worker, job.message, job.timeout,
-                               secret=job.secret, label=job.op)
-        reply = pending.result(None if job.timeout is None
-                               else max(0.0, start + job.timeout - time.monotonic()))
+        if job.deliver is not None:
+            reply = job.deliver()
+        else:
+            pending = send_request(job.transport, job.worker, job.message, job.timeout,
+                                   secret=job.secret, label=job.op)
+            reply = pending.result(None if job.timeout is None
+                                   else max(0.0, start + job.timeout - time.monotonic()))
         if job.timeout is not None and time.monotonic() - start > job.timeout:
             raise TransportTimeout(f"the reply came after {time.monotonic() - start:.6f} s "
                                    "and was dropped")

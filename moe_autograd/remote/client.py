@@ -60,7 +60,7 @@ import secrets
 import threading
 import warnings
 import weakref
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Deque, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -498,11 +498,10 @@ class RemoteExpert(nn.Module):
         """A copy of the hosted module's ``state_dict()``."""
         return self._control("state_dict")
 
-    def load_remote_state_dict(self, state_dict: Dict[str, Tensor]) -> None:
+    def load_remote_state_dict(self, state_dict: Mapping[str, Tensor]) -> None:
         """Loads ``state_dict`` into the hosted module: all of it or, on any
         error (keys, shapes, types), nothing."""
-        wire.check_value(state_dict, f"the payload of {self._where('load_state_dict')}")
-        self._control("load_state_dict", {k: _wire(v) for k, v in state_dict.items()})
+        self._control("load_state_dict", {k: _wire(v) for k, v in dict(state_dict).items()})
 
     def remote_snapshot(self) -> ExpertState:
         """The hosted expert's whole state (weights, optimizer state, steps),

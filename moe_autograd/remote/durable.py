@@ -95,6 +95,9 @@ class ExpertState:
     steps: int = 0
     skipped_steps: int = 0
     extra: Dict[str, Any] = field(default_factory=dict)
+    #: The digest of the state's history (:mod:`.lineage`); "" where unknown
+    #: (computed from the state itself when it is taken).
+    lineage: str = ""
 
 
 # -- JSON with tensors by reference ---------------------------------------------------------
@@ -159,6 +162,7 @@ def sealed_parts(expert: str, state: ExpertState, secret: JobSecret) -> List[Any
         at += int(raw.numel())
     header = json.dumps({"format": 1, "expert": expert, "steps": int(state.steps),
                          "skipped_steps": int(state.skipped_steps),
+                         "lineage": str(state.lineage),
                          "job": secret.key_id.hex(), "saved_at": time.time(),
                          "tensors": index, "body": body, "payload_bytes": at},
                         separators=(",", ":")).encode()
@@ -254,7 +258,7 @@ def open_state(data: Any, secret: JobSecret, where: str) -> Tuple[str, ExpertSta
         body = header["body"]
         state = ExpertState(_decode(body["module"], tensors), _decode(body["optimizer"], tensors),
                             int(header["steps"]), int(header["skipped_steps"]),
-                            _decode(body["extra"], tensors))
+                            _decode(body["extra"], tensors), str(header.get("lineage", "")))
     except (ValueError, KeyError, TypeError, IndexError, RuntimeError) as error:
         raise SnapshotError(path, f"a malformed body ({type(error).__name__}: "
                                   f"{error})", kind="malformed") from error

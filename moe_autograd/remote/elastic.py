@@ -199,11 +199,24 @@ class ElasticServer:
                               f"{steps}, {size / 1e6:.2f} MB of weights in {took:.3f} s)")
                     self.recovered[expert] = f"peer {peer}"
                     break
-                else:
-                    if roster and server.snapshots is None:
-                        _log.warning("expert %r starts fresh on %r: no live replica to take "
-                                     "its state from, and no state directory", expert,
-                                     self.name)
+                if not self.recovered[expert]:
+                    self._fresh(server, expert, records, alive)
+
+    def _fresh(self, server: ExpertServer, expert: str, records: Dict[str, Any],
+               alive: Any) -> None:
+        """Says that ``expert`` starts from its own state (no live replica
+        gave it one): a WARNING when a server that served it is gone (this
+        one replaces it) and the state is the factory's, else INFO."""
+        resumed = server.resumed.get(expert, "")
+        gone = sorted(n for n, record in records.items()
+                      if n not in alive and expert in record.experts)
+        if gone and not resumed:
+            _log.warning("expert %r starts from its factory's fresh weights: no live replica "
+                         "holds its state and it has no snapshot (it replaces %s); what it "
+                         "learned there is lost", expert, ", ".join(map(repr, gone)))
+        else:
+            self._log(f"expert {expert!r}: no live replica to take the state of; it starts "
+                      f"from {resumed or 'its factory'}")
 
     def _beat(self) -> None:
         registry = self._registry
@@ -319,7 +332,8 @@ class ElasticServer:
 
 def serve_joined(servers: Union[ExpertServer, Sequence[ExpertServer]], name: str,
                  options: Any, *, drain_timeout: float = 10.0, join_timeout: float = 60.0,
-                 linger: float = 1.0, log: Optional[Callable[[str], None]] = None) -> int:
+                 linger: float = 1.0, log: Optional[Callable[[str], None]] = None,
+                 recover: bool = True) -> int:
     """``python -m moe_autograd serve --join``: join the world of ``options``,
     serve until SIGINT/SIGTERM, the coordinator's stop or the world's end, then
     leave cleanly. Returns the exit status: 0, 2 for an unusable name, 3 if
@@ -328,7 +342,8 @@ def serve_joined(servers: Union[ExpertServer, Sequence[ExpertServer]], name: str
     say = log or (lambda message: None)
     try:
         elastic = ElasticServer(servers, name, options=options, drain_timeout=drain_timeout,
-                                join_timeout=join_timeout, linger=linger, log=say)
+                                join_timeout=join_timeout, linger=linger, log=say,
+                                recover=recover)
     except MembershipError as error:
         say(str(error))
         for server in [servers] if isinstance(servers, ExpertServer) else servers:

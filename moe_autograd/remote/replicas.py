@@ -54,6 +54,7 @@ from .client import RemoteExpert
 from .compression import Compression, resolve as resolve_codec
 from .durable import ExpertState
 from .errors import RemoteExpertError, RemoteTimeoutError
+from .mirrored import QUERY_TIMEOUT_S, OutOfSync, View, view_of
 from .transport import Transport, TransportError, check_timeout
 
 __all__ = ["FleetExpert", "FleetEvent", "NoLiveReplica", "Resolver", "caused_by_transport",
@@ -182,10 +183,41 @@ class _Measured(RemoteExpert):
     """One attempt's :class:`RemoteExpert`: its backward (which goes to the
     same replica) is counted in flight and timed for the balancer."""
 
-    def __init__(self, balancer: ReplicaBalancer, worker: str, name: str,
+    def __init__(self, balancer: ReplicaBalancer, worker: str, name: str, view: View,
+                 fleet: "Resolver", direct: Callable[[str], RemoteExpert],
                  **options: Any) -> None:
         super().__init__(worker, name, **options)
-        self.balancer = balancer
+        self.balancer, self.view, self.fleet, self.direct = balancer, view, fleet, direct
+
+    def _forward_job(self, call: Any, args: Sequence[Any], grad: bool) -> Job:
+        job = super()._forward_job(call, args, grad)
+        view, worker = self.view, self.worker
+        if not view.asks(worker):
+            fence = view.fence()
+            if fence is not None:  # run only at the version its client knows (.mirrored)
+                job.message["fence"] = fence
+            return job
+        job.message["version"] = True  # the reply says the version it ran at: checked
+        decode = job.decode
+
+        def checked(value: Any) -> Any:
+            if not (isinstance(value, list) and len(value) == 5):
+                raise RemoteExpertError(f"{self._where('forward')} got a malformed reply: "
+                                        f"{value!r:.200}")
+            result = decode(value[:4])
+            view.learn(worker, value[4])
+            return result
+        job.decode = checked
+        return job
+
+    def _backward_job(self, call: Any, args: Optional[Sequence[Any]],
+                      grads: Sequence[Optional[Tensor]]) -> Job:
+        job = super()._backward_job(call, args, grads)
+        view, fleet, name, direct = self.view, self.fleet, self.name, self.direct
+        if view.training:  # every in-sync replica applies it (.mirrored)
+            job.deliver = lambda: view.deliver(job, call.call_id, fleet.replicas(name),
+                                               fleet.suspect, direct)
+        return job
 
     def _job(self, what: str, message: Dict[str, Any], timeout: Optional[float],
              decode: Any = None, abandon: Any = None) -> Job:
@@ -260,7 +292,13 @@ class FleetExpert(nn.Module):
 
     def _direct(self, worker: str) -> RemoteExpert:
         return RemoteExpert(worker, self.name, transport=self.fleet.transport,
-                            secret=self.fleet.secret, forward_timeout=60.0)
+                            secret=self.fleet.secret, forward_timeout=QUERY_TIMEOUT_S)
+
+    @property
+    def view(self) -> View:
+        """What this process knows of the name's replicas (shared by every
+        :class:`FleetExpert` of the name in the fleet: :mod:`.mirrored`)."""
+        return view_of(self.fleet, self.name)
 
     def remote_snapshot(self) -> ExpertState:
         """The whole state of one live replica (the first, by the fleet's
@@ -305,6 +343,7 @@ class FleetExpert(nn.Module):
             if not candidates and not tried:  # none cached: one may have joined just now
                 self.fleet.refresh_on_miss()
                 candidates = self.fleet.replicas(self.name)
+            candidates = self.view.in_sync(candidates, self._direct)  # a training name's
             if not candidates:
                 raise self._no_replica(failures, start)
             if live is None:
@@ -355,7 +394,8 @@ class FleetExpert(nn.Module):
         balancer = self.balancer
         ok: Optional[bool] = None
         try:
-            expert = _Measured(balancer, worker, self.name, forward_timeout=limit,
+            expert = _Measured(balancer, worker, self.name, self.view, self.fleet, self._direct,
+                               forward_timeout=limit,
                                backward_timeout=self.backward_timeout,
                                transport=self.fleet.transport, secret=self.fleet.secret,
                                compression=self.compression)
@@ -364,6 +404,8 @@ class FleetExpert(nn.Module):
                 outputs = expert(*args)
             except RemoteExpertError as error:
                 ok = False
+                if not isinstance(error, OutOfSync):  # (asked again; one found stale is resynced)
+                    expert.view.forget(worker)
                 failure = (worker, str(error), isinstance(error, RemoteTimeoutError),
                            caused_by_transport(error))
                 traceback.clear_frames(error.__traceback__)  # finished frames: free their locals

@@ -93,6 +93,7 @@ from . import endpoint
 from . import execution as ex
 from .compression import CODECS, Compressed
 from .durable import ExpertState, SnapshotError, Snapshots, open_state, state_bytes
+from .lineage import Version, after, check_fence, root
 from .auth import Caller, JobSecret, refuse, resolve_secret, security_stats
 from .endpoint import Reply, error_text
 from .gather import Gatherer, NotRowWise, Task, concat_rows, row_key, split_rows
@@ -113,7 +114,11 @@ MiB = 1 << 20
 _MAX_ID_CHARS = 256     # call ids and names longer than this are refused
 _MAX_RELEASE_IDS = 1 << 16  # call ids in one release request
 _CONTROL = ("step", "zero_grad", "grads", "state_dict", "load_state_dict", "stats", "snapshot",
-            "restore")
+            "restore", "version")
+#: How long a fenced call waits for its expert to reach the version it
+#: names (a mirrored backward still on its way) before it is refused.
+FENCE_WAIT_S = 5.0
+_FORWARD_TRIES = 3  # a fenced forward that a step overtook runs again, this often
 _log = logging.getLogger(__name__)
 
 
@@ -128,6 +133,29 @@ class _Hosted:
     steps: int = 0  # optimizer steps applied (under ``lock``; kept in snapshots)
     gather: Optional[Gatherer] = None  # batching across calls (opted in), see .gather
     alone: Optional[str] = None  # why its calls no longer join batches (set once)
+    digest: str = ""  # its history (.lineage); "" until first needed (under ``lock``)
+    changed: threading.Condition = field(init=False)  # on ``lock``: its version moved
+
+    def __post_init__(self) -> None:
+        self.changed = threading.Condition(self.lock)
+
+    @property
+    def training(self) -> bool:
+        """Whether every backward changes it (an optimizer under ``auto_step``)."""
+        return self.optimizer is not None and self.server.auto_step
+
+    def version(self) -> Version:
+        """``(count, digest)`` of its state (:mod:`.lineage`). Needs ``lock``."""
+        if not self.digest:
+            self.digest = root(self.module.state_dict(), self.optimizer.state_dict()
+                               if self.optimizer is not None else None)
+        return self.steps + self.skipped_steps, self.digest
+
+    def advanced(self, change: str) -> None:
+        """Its version after a backward (or a step) applied. Needs ``lock``."""
+        if self.digest:
+            self.digest = after(self.digest, change)
+        self.changed.notify_all()
 
 
 _experts: Dict[str, _Hosted] = {}
@@ -272,6 +300,9 @@ class ExpertServer:
         self.batched: List[str] = [name for name in experts if name in batched]
         self.batch_window, self.max_batch_rows = float(batch_window), max_batch_rows
         self.snapshots: Optional[Snapshots] = None
+        #: Where each expert's state came from, if not from its factory
+        #: (``"snapshot PATH (step N)"``, ``"peer W (step N)"``).
+        self.resumed: Dict[str, str] = {}
         if state_dir is not None:  # resumed before any request can reach them
             self.snapshots = Snapshots(state_dir, list(hosted), self.secrets[0],
                                        save_every=save_every, save_interval=save_interval)
@@ -283,6 +314,10 @@ class ExpertServer:
                 raise
         elif save_every is not None or save_interval is not None:
             raise ValueError("save_every and save_interval need a state_dir")
+        for h in hosted.values():  # the root of its history, before any step
+            if h.training:
+                with h.lock:
+                    h.version()
         with _registry_lock:
             taken = sorted(set(hosted) & set(_experts))
             if not taken:
@@ -381,6 +416,7 @@ class ExpertServer:
             if self.snapshots is not None:
                 self.snapshots.save(name, _captured(hosted))
             steps = hosted.steps
+        self.resumed[name] = f"{source} (step {steps})"
         _log.info("expert %r resumed from %s (step %d)", name, source, steps)
         return steps
 
@@ -542,6 +578,36 @@ def _call_fields(hosted: _Hosted, job: Dict[str, Any]) -> Tuple[str, str, int, L
 
 
 def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
+    """A forward; fenced (``fence``: run only at that version, or past it)
+    and/or asked to report the version it ran at (``version``: the reply
+    gets ``[training, count, digest]`` appended, see :mod:`.mirrored`)."""
+    where = f"forward of expert {hosted.name!r}"
+    fence = check_fence(job.get("fence"), where)
+    report = job.get("version") is True
+    if fence is None and not report:
+        return _forward_once(hosted, caller, job)
+    if not hosted.training:
+        return [*_forward_once(hosted, caller, job), [False, 0, ""]]
+    if job.get("grad") is True and hosted.server.store is not None:  # keeps a graph: once
+        with hosted.lock:
+            if fence is not None:
+                _wait_for(hosted, fence, where, exact=False)
+            count, digest = hosted.version()
+            reply = _forward_once(hosted, caller, job)
+        return [*reply, [True, count, digest]] if report else reply
+    for _ in range(_FORWARD_TRIES):  # no lock held while it runs (forwards overlap)
+        with hosted.lock:
+            if fence is not None:
+                _wait_for(hosted, fence, where, exact=False)
+            count, digest = hosted.version()
+        reply = _forward_once(hosted, caller, job)
+        with hosted.lock:
+            if hosted.version()[0] == count:  # no step overtook it: it saw one whole state
+                return [*reply, [True, count, digest]] if report else reply
+    raise _StaleReplica(f"{where}: steps kept overtaking it ({_FORWARD_TRIES} tries)")
+
+
+def _forward_once(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     where, call_id, seed, flags = _call_fields(hosted, job)
     grad = _field(job, "grad", bool, where)
     args = _field(job, "args", list, where)
@@ -572,20 +638,24 @@ def _forward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]:
     return [_packed(outputs, codec), single, diff, mode]
 
 
-def _step(hosted: _Hosted) -> Optional[str]:
+def _step(hosted: _Hosted, change: str) -> Optional[str]:
     """Steps the optimizer unless a gradient is non-finite; returns a note when
-    the step was skipped (``skip``), raises with ``raise``. Needs ``hosted.lock``."""
+    the step was skipped (``skip``), raises with ``raise``. Either way the
+    expert's version moves past ``change`` (a backward's call id) before a
+    snapshot is due or the reply goes. Needs ``hosted.lock``."""
     assert hosted.optimizer is not None
     bad = [n for n, p in hosted.module.named_parameters()
            if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
     if not bad:
         hosted.optimizer.step()
         hosted.steps += 1
+        hosted.advanced(change)
         snapshots = hosted.server.snapshots
         if snapshots is not None and snapshots.due(hosted.name, hosted.steps):
             snapshots.save(hosted.name, _captured(hosted))  # whole steps, on disk before the reply
         return None
     hosted.skipped_steps += 1
+    hosted.advanced(change)
     shown = ", ".join(bad[:4]) + (f" (and {len(bad) - 4} more)" if len(bad) > 4 else "")
     note = (f"optimizer step of expert {hosted.name!r} skipped: non-finite gradients in "
             f"{shown}; its parameters are unchanged")
@@ -612,7 +682,8 @@ def _captured(hosted: _Hosted) -> ExpertState:
     changes them meanwhile)."""
     module = {k: v.detach() for k, v in hosted.module.state_dict().items()}
     optimizer = hosted.optimizer.state_dict() if hosted.optimizer is not None else None
-    return ExpertState(module, optimizer, hosted.steps, hosted.skipped_steps)
+    return ExpertState(module, optimizer, hosted.steps, hosted.skipped_steps,
+                       lineage=hosted.version()[1])
 
 
 def _resume(hosted: _Hosted, snapshots: Snapshots) -> None:
@@ -625,6 +696,7 @@ def _resume(hosted: _Hosted, snapshots: Snapshots) -> None:
     path, state = found
     with hosted.lock:
         _apply_state(hosted, state, f"snapshot {path}")
+    hosted.server.resumed[hosted.name] = f"snapshot {path} (step {state.steps})"
     _log.info("expert %r resumed from snapshot %s (step %d)", hosted.name, path, state.steps)
 
 
@@ -662,15 +734,37 @@ def _backward(hosted: _Hosted, caller: Caller, job: Dict[str, Any]) -> List[Any]
     if not hosted.server.auto_step:
         return [_packed(ex.run_backward(leaves, outputs, grads), codec), None]
     assert hosted.optimizer is not None
+    fence = check_fence(job.get("fence"), where)
     with hosted.lock:
+        if fence is not None:
+            _wait_for(hosted, fence, where, exact=True)
         try:
             if args is not None:  # recomputed under the lock: no step between it and backward
                 leaves, outputs = ex.recompute(hosted.module, args, flags, seed)
             result = ex.run_backward(leaves, outputs, grads)
-            note = _step(hosted)
+            note = _step(hosted, call_id)
         finally:
             hosted.optimizer.zero_grad()
     return [_packed(result, codec), note]
+
+
+def _wait_for(hosted: _Hosted, fence: Version, where: str, exact: bool) -> None:
+    """Waits (up to :data:`FENCE_WAIT_S`) until ``hosted`` reaches the
+    version ``fence`` names, then raises unless it is at that version
+    (``exact``: a backward, applied only to the state its client expects)
+    or, for a forward, at it or past it. Needs ``hosted.lock``."""
+    count, digest = fence
+    hosted.changed.wait_for(lambda: hosted.version()[0] >= count, FENCE_WAIT_S)
+    have, have_digest = hosted.version()
+    if have < count or (have == count and have_digest != digest) or (exact and have != count):
+        raise _StaleReplica(f"{where}: stale replica: this server's expert is at version "
+                            f"{have} ({have_digest[:12]}), the call expects {count} "
+                            f"({digest[:12]}); nothing was changed")
+
+
+class _StaleReplica(RuntimeError):
+    """A fenced call reached a replica whose state is not the one its client
+    expects (:mod:`.lineage`): refused, nothing changed."""
 
 
 # -- batching across calls (see .gather) ---------------------------------------------------
@@ -810,6 +904,7 @@ def _load_state_dict(hosted: _Hosted, payload: Any) -> None:
             for key, saved in backup.items():
                 current[key].copy_(saved)  # state_dict() tensors alias the module's
             raise
+        hosted.digest = ""  # a new history: the root of the loaded state
 
 
 def _apply_state(hosted: _Hosted, state: ExpertState, where: str) -> None:
@@ -832,6 +927,8 @@ def _apply_state(hosted: _Hosted, state: ExpertState, where: str) -> None:
         if optimizer is not None and kept is not None:
             optimizer.load_state_dict(kept)
         raise
+    hosted.digest = state.lineage  # "" (unknown): its root, when first needed
+    hosted.changed.notify_all()
     if state.optimizer is not None and optimizer is None:
         _log.warning("expert %r: %s holds optimizer state, but this server has no optimizer: "
                      "its weights alone are taken", hosted.name, where)
@@ -878,7 +975,7 @@ def _control(hosted: _Hosted, what: Any, payload: Any, caller: Optional[Caller] 
             raise RuntimeError(f"expert {hosted.name!r} has no optimizer: pass optimizer=... "
                                "to ExpertServer")
         with hosted.lock:
-            return _step(hosted)
+            return _step(hosted, "step")
     if what == "zero_grad":
         with hosted.lock:
             module.zero_grad(set_to_none=bool(payload))
@@ -895,6 +992,12 @@ def _control(hosted: _Hosted, what: Any, payload: Any, caller: Optional[Caller] 
         return _snapshot_op(hosted, caller)
     if what == "restore":
         return _restore_op(hosted, caller, payload)
+    if what == "version":  # what a replica's client compares (.lineage, .mirrored)
+        if not hosted.training:
+            return [False, 0, ""]
+        with hosted.lock:
+            count, digest = hosted.version()
+        return [True, count, digest]
     if what == "stats":
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,

@@ -16,7 +16,7 @@ LAYERS: Dict[str, int] = {
     "errors": 0, "frame": 0, "compression": 0, "factory": 0, "deadlines": 0, "stopping": 0,
     "balance": 0,
     "wire": 1, "auth": 1,
-    "transport": 2, "rpc_bind": 2, "durable": 2,
+    "transport": 2, "rpc_bind": 2, "durable": 2, "lineage": 2,
     "endpoint": 3,
     "rpc_engine": 4, "ray_engine": 4, "channel": 4,
     "sizes": 5, "state": 5, "execution": 5, "gather": 5, "membership": 5, "registry": 5,
@@ -25,10 +25,11 @@ LAYERS: Dict[str, int] = {
     "batch_server": 7,
     "batching": 8,
     "client": 9,
-    "replicas": 10, "loopback": 10,
-    "fleet": 11, "elastic": 11, "ray_fleet": 11, "ray_server": 11, "job": 11,
-    "cli": 12,
-    "__init__": 13,
+    "mirrored": 10, "loopback": 10,
+    "replicas": 11,
+    "fleet": 12, "elastic": 12, "ray_fleet": 12, "ray_server": 12, "job": 12,
+    "cli": 13,
+    "__init__": 14,
 }
 SERVER_SIDE = {"endpoint", "server", "batch_server", "state", "sizes", "execution", "gather"}
 CLIENT_SIDE = {"channel", "batching", "client", "replicas", "balance"}
