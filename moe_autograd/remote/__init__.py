@@ -26,8 +26,10 @@ Layers, each importing only those below it (data flows one way: a client's
 call goes down, through an engine, and up into a server's operation)::
 
     cli                                   python -m moe_autograd serve / secret
-    fleet, elastic, ray_fleet, ray_server fleets and their servers, per engine
-    replicas, loopback                    calls by name; local worlds
+    fleet, elastic, ray_fleet, ray_server fleets and their servers, per engine,
+    job                                   checkpoints of a whole job
+    replicas                              calls by name
+    mirrored, loopback                    training replicas kept one expert; local worlds
     client, batching                      RemoteExpert; one request per server and pass
     batch_server, server                  a server's operations (registered in endpoint)
     registry, membership, state, sizes,   the fleet's signed records; dynamic RPC worlds;
@@ -35,7 +37,8 @@ call goes down, through an engine, and up into a server's operation)::
     stopping                              many trainers' calls batched into one
     channel | endpoint                    a client's sealed requests | a server's entry
     rpc_engine, ray_engine, rpc_bind      the engines (each registers itself)
-    transport, durable                    the seam: frames in, frames out; sealed states
+    transport, durable, lineage           the seam: frames in, frames out; sealed states;
+                                          the version of a training expert's state
     auth, wire, frame, factory, errors,   secrets and MACs; the body codec; the layout;
     compression                           fp16 / bf16 / int8 codecs of tensors
     balance                               which replica a fleet expert's call takes

@@ -242,6 +242,44 @@ def test_experts_not_row_wise_in_shape_or_random_run_alone(serve: Any,
     assert "not row-wise" in why["gx_total"] and "random numbers" in why["gx_drop"], why
 
 
+def test_batched_fallback_after_a_random_number_check_adds_no_gradient_twice(
+        serve: Any) -> None:
+    """A group of stateless backwards of a random expert (Linear, then
+    Dropout) finds that it drew random numbers and runs each call alone:
+    the expert's parameter gradients are the sum of the single calls', as
+    on a server that never batches, and not that sum plus the group's
+    (issue 46: a mutant that added the group's gradients before the check
+    gave a weight gradient 1.77 x the single calls' sum)."""
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.5))
+    batched = serve({"gx_rand": make()})
+    alone = serve({"gx_rand_alone": make()}, batch_across_calls=False)
+    xs = [torch.randn(ROWS, WIDTH) for _ in range(N)]
+    gs = [torch.randn(ROWS, WIDTH) for _ in range(N)]
+
+    def backward(client: RemoteExpert, k: int) -> List[Any]:
+        call = client._new_call(seed=100 + k)  # a stateless backward needs no forward here
+        call.flags = [True]
+        return client._backward(call, [xs[k]], [gs[k]])
+
+    def body(k: int, barrier: threading.Barrier) -> List[Any]:
+        client = expert("gx_rand", k)
+        barrier.wait()
+        return backward(client, k)
+    got = trainers(body)
+    assert batch_counts(batched) == [0, 0, N, 1], batched.batch_stats()  # one group, fell back
+    want = [backward(expert("gx_rand_alone", k), k) for k in range(N)]
+    for k in range(N):
+        assert torch.equal(got[k][0], want[k][0])  # each call's own mask, run alone
+    grads, reference = expert("gx_rand", 0).remote_grads(), \
+        expert("gx_rand_alone", 0).remote_grads()
+    assert grads.keys() == reference.keys()
+    for name in grads:  # (the sum's order may differ: the threads' order)
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-6, atol=1e-6)
+    del alone
+
+
 def test_stateful_and_auto_step_servers(serve: Any) -> None:
     """A stateful server batches no-grad forwards only (a held graph is one
     call's); an auto-step server batches forwards, not backwards (one
