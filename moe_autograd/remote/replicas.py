@@ -301,9 +301,13 @@ class FleetExpert(nn.Module):
         return view_of(self.fleet, self.name)
 
     def remote_snapshot(self) -> ExpertState:
-        """The whole state of one live replica (the first, by the fleet's
-        order): what a job checkpoint keeps (:func:`~.job.save_job`)."""
-        replicas = self.replicas()
+        """The whole state of one live replica (of a training expert, one in
+        sync with this client's training: :mod:`.mirrored`; else the first by
+        the fleet's order): what a job checkpoint keeps (:func:`~.job.save_job`)."""
+        replicas = self.view.in_sync(self.replicas(), self._direct)
+        truth = self.view.truth if self.view.training else None
+        if truth is not None:  # a replica known to be at the truth first
+            replicas.sort(key=lambda w: self.view.known.get(w) != truth)
         if not replicas:
             raise NoLiveReplica(f"FleetExpert {self.name!r}: no live replica to take the "
                                 f"state of")
@@ -314,7 +318,12 @@ class FleetExpert(nn.Module):
         replicas = self.replicas()
         if not replicas:
             raise NoLiveReplica(f"FleetExpert {self.name!r}: no live replica to restore")
-        return min(self._direct(worker).restore_remote(state) for worker in replicas)
+        view = self.view
+        with view.lock:  # no backward of this client's between the restores
+            steps = min(self._direct(worker).restore_remote(state) for worker in replicas)
+            # every replica is at the state's version now: the next forwards learn it
+            view.training, view.truth, view.known = None, None, {}
+        return steps
 
     def replica_stats(self) -> Dict[str, Dict[str, Any]]:
         """The balancer's view of this name's replicas, by worker (see
