@@ -28,7 +28,11 @@ then drains the actor (a :class:`~.ray_fleet.RayFleet` stops choosing it;
 calls in flight and held states get ``--drain-timeout`` seconds) and ends
 it. The actor belongs to this process: if the process dies (kill -9, its
 node lost), Ray ends the actor too, and clients see a dead server. No rank,
-world size or store.
+world size or store. ``--state-dir``/``--save-every``/``--save-interval``
+keep the actor's experts' state as for RPC; ``--max-restarts N`` lets Ray
+restart the actor (its process died while this one serves), which resumes
+them from there, and (unless ``--no-recover``) from a live replica in
+``--namespace``, which is newer.
 
 The job's secret comes from ``--secret-file`` or ``MOE_AUTOGRAD_SECRET_FILE``
 (or ``MOE_AUTOGRAD_SECRET``, hex), never from the command line itself;
@@ -161,12 +165,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--anywhere", action="store_true",
                    help="with --engine ray: let Ray place the actor on any node that fits "
                         "(default: this node)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="with --engine ray: Ray restarts the actor up to N times (-1: always) "
+                        "if its process dies while this one serves; a restart resumes its "
+                        "experts from --state-dir (default 0: never)")
     p.add_argument("--insecure", action="store_true",
                    help="with --engine ray: serve although the cluster runs without token "
                         "authentication (anyone who reaches its ports can then run code in it)")
     p.add_argument("--join", action="store_true",
                    help="join a running elastic world (a Fleet's) by its store at "
                         "--master-addr:--master-port; no --rank/--world-size")
+    p.add_argument("--no-recover", action="store_true",
+                   help="with --join or --engine ray: do not take a live replica's state "
+                        "before serving (nor at a Ray restart); each "
+                        "expert keeps its own (its snapshot's, or fresh), and a trainer brings a "
+                        "training expert's replica into sync before it calls it")
     return p
 
 
@@ -304,7 +317,12 @@ def _serve(args: argparse.Namespace) -> int:
         if args.join or args.world_size:
             _usage_error("--engine ray takes no --join or --world-size: Ray's own "
                          "membership places the server")
+        if args.max_restarts < -1:
+            _usage_error(f"--max-restarts must be -1 (always) or more, got {args.max_restarts}")
         return _serve_on_ray(args)
+    if args.max_restarts:
+        _usage_error("--max-restarts is --engine ray's (an RPC server is restarted by whoever "
+                     "started it, and resumes from --state-dir)")
     if args.rank is None and not args.join:
         _usage_error("--rank (or $RANK) is required (or --join)")
     secret = _secret(args)
@@ -339,7 +357,8 @@ def _serve(args: argparse.Namespace) -> int:
 
         try:
             return serve_joined(server, args.name or default_name(), options,
-                                drain_timeout=args.drain_timeout, log=_log)
+                                drain_timeout=args.drain_timeout, log=_log,
+                                recover=not args.no_recover)
         finally:
             halt_report()
     try:
@@ -389,6 +408,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     from .ray_server import RayExpertServer
 
     _secret(args)
+    durable = _durable_options(args)  # refused before connecting
 
     resources = None
     if args.resources:
@@ -446,7 +466,7 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
             max_state_bytes=args.max_state_bytes, max_request_bytes=args.max_request_bytes,
             non_finite_grads=args.non_finite_grads, batch_across_calls=args.batch_across_calls,
             batch_window=args.batch_window, max_batch_rows=args.max_batch_rows,
-            **_durable_options(args))
+            max_restarts=args.max_restarts, recover=not args.no_recover, **durable)
     except BaseException as error:
         _fail(f"could not start the Ray expert server {name!r}: {error}")
         ray.shutdown()

@@ -63,7 +63,11 @@ Invariants:
   bounded).
 * An incarnation is a name and the time a poll first saw it serve:
   :meth:`first_served` and the "lost" event are per incarnation, so a
-  replacement started under a dead server's name counts as new.
+  replacement started under a dead server's name counts as new, and so
+  does an actor that Ray restarted (``RayExpertServer(...,
+  max_restarts=N)``: same name and handle; "gone" or "lost" when the
+  process dies, and "joined" again once the restarted actor, resumed from
+  its state directory before it can answer, does).
 """
 import atexit
 import logging

@@ -33,35 +33,76 @@ Lifecycle of a server (driver's view)::
               serves until idle, >= linger)                  flight and held states finish
     gone      stop() / leave() end it (``ray.kill``), or     its name is free again
               kill() (as a crash would)
+    restart   its process or node died, ``max_restarts``     calls in flight fail; Ray builds it
+              left (Ray restarts it, same name and handle)   again (the constructor, with the
+                                                             same arguments: its experts resume
+                                                             from ``state_dir``, or a peer with
+                                                             ``recover``), then it serves again
+
+Durable state and restarts (issue 44): ``state_dir``/``save_every``/
+``save_interval`` are the hosted :class:`~.server.ExpertServer`'s (its
+experts resume from their newest complete snapshot at start, are saved every
+``N`` steps or ``T`` seconds and at a clean leave; the directory is a path
+on the actor's node, made absolute by the driver). ``max_restarts`` lets
+Ray restart an actor whose process died (kill -9, a crash, an OOM kill) or
+re-place it after its node died: Ray runs the actor's constructor again
+with the same arguments, so the new incarnation reads the job's secret from
+the same file (which therefore stays in place until the server is stopped),
+builds its experts again, resumes them from ``state_dir`` (and, with
+``recover=True``, takes the state of a live replica of each expert in the
+namespace, which is newer), and only then serves: Ray runs no method of
+an actor before its constructor returns, so no call reaches a replacement
+that has not resumed. Calls in flight when the process died fail
+(``max_task_retries`` stays 0: an optimizer step is never applied twice);
+clients and fleets reach the new incarnation under the same name. The
+actor logs where each expert came from on the ``moe_autograd`` loggers,
+which it writes to its stderr (Ray's ``worker-*.err`` log of the actor):
+``resumed from snapshot PATH (step N)`` or ``resumed from peer NAME (step
+N)`` at INFO, and a WARNING naming each expert that a restart had to start
+from its factory's fresh weights.
 
 Invariants:
 
 * The actor refuses to start on a Ray without token authentication unless
   its creator opted out (``allow_unauthenticated=True``, ``serve --insecure``).
 * Public Ray API only (``ray.remote``, actor options, ``ray.kill``,
-  ``ray.get``, ``__ray_ready__``).
+  ``ray.get``, ``__ray_ready__``, ``ray.util.list_named_actors``, the runtime
+  context's ``was_current_actor_reconstructed``).
+* A restartable actor (``max_restarts`` not 0) finds its secret where its
+  first incarnation did for as long as its :class:`RayExpertServer` stands
+  for it: a private copy is removed at :meth:`RayExpertServer.stop` /
+  ``leave`` / ``kill`` (or at this driver's exit, when the actor, owned by
+  it, ends too), not once the first incarnation has read it.
 """
 import atexit
 import inspect
+import logging
 import os
 import shutil
 import tempfile
 import threading
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
+from ..logs import configure_cli
 from . import endpoint
 from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
 from .channel import request
+from .client import RemoteExpert
+from .durable import snapshot_paths
 from .factory import load_object
 from .ray_engine import (NAMESPACE, RayTransport, _ray, forget_everywhere, require_token_auth,
                          serve_frame, set_default_ray_transport, short)
 from .server import ExpertServer, set_host_info
 from .transport import check_timeout, set_transport
 
-__all__ = ["RayExpertServer", "start_servers"]
+__all__ = ["RayExpertServer", "start_servers", "RECOVER_INFO_S", "RECOVER_TIMEOUT_S"]
 
 Factory = Union[str, Callable[[], Any]]
+RECOVER_INFO_S = 5.0  # how long a recovering actor waits for its peers' info(), in all
+RECOVER_TIMEOUT_S = 60.0  # a peer's state, when recovering from it
+_log = logging.getLogger(__name__)
 
 
 def _server_parameters() -> List[str]:
@@ -75,14 +116,21 @@ class _ExpertActor:
 
     def __init__(self, name: str, namespace: str, experts: Factory,
                  server_options: Dict[str, Any], torch_threads: int,
-                 secret_file: Optional[str], allow_unauthenticated: bool) -> None:
+                 secret_file: Optional[str], allow_unauthenticated: bool,
+                 recover: bool = False) -> None:
         import ray
         import torch
 
         require_token_auth(allow_unauthenticated, f"Ray expert server {name!r}")
+        secret = JobSecret.from_file(secret_file) if secret_file else job_secret()
+        if not logging.getLogger("moe_autograd").handlers:  # resumes and refusals in its log
+            configure_cli(f"moe_autograd ray server {name}")
+        restarted = _was_restarted(ray)
+        if restarted:
+            _log.info("Ray restarted expert server %r (pid %d): its experts are built again",
+                      name, os.getpid())
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
-        secret = JobSecret.from_file(secret_file) if secret_file else job_secret()
         set_job_secret(secret)  # the factory's own ExpertServers serve this job too
         transport = RayTransport(namespace, name=name,
                                  allow_unauthenticated=allow_unauthenticated)
@@ -103,7 +151,10 @@ class _ExpertActor:
                                 f"experts; the factory {experts!r} built ExpertServers itself")
             self.servers = servers
         self.name = name
-        set_host_info(name=name, state="serving",
+        recovered = _recover(name, namespace, transport, secret, self.servers) if recover else {}
+        if restarted:
+            _warn_fresh(name, self.servers, recovered)
+        set_host_info(name=name, state="serving", restarted=restarted,
                       node_id=ray.get_runtime_context().get_node_id())
         endpoint.register("drain", self._drain_op)
         endpoint.register("close", self._close_op)
@@ -146,6 +197,89 @@ class _ExpertActor:
         """Stops serving: requests in flight get ``timeout`` seconds, states are freed."""
         for server in self.servers:
             server.close(timeout=timeout)
+
+
+def _was_restarted(ray: Any) -> bool:
+    """Whether Ray restarted the actor this process runs (False outside one)."""
+    try:
+        with warnings.catch_warnings():  # (it reads the deprecated actor_id itself)
+            warnings.simplefilter("ignore")
+            return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # noqa: BLE001 - not an actor's process
+        return False
+
+
+def _recover(me: str, namespace: str, transport: RayTransport, secret: JobSecret,
+             servers: Sequence[ExpertServer]) -> Dict[str, str]:
+    """Each expert of ``servers`` takes the state of a live replica: a
+    named actor of ``namespace`` (not ``me``) whose sealed ``info`` answers,
+    within :data:`RECOVER_INFO_S` for all of them (a peer still in its own
+    constructor cannot), that it serves the expert (the first by name that
+    hands its state over);
+    logged at INFO with the peer, the step, the bytes and the time (a
+    failing peer at WARNING, and the next one is tried). Returns expert ->
+    ``"peer NAME"`` for those that took one."""
+    ray = _ray()
+    names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                   if a.get("namespace") == namespace and a.get("name") != me)
+    asked = []
+    for peer in names:
+        try:
+            asked.append((peer, request(transport, peer, {"op": "info"}, RECOVER_INFO_S,
+                                        secret=secret, label="info")))
+        except Exception:  # noqa: BLE001 - not an expert server, or gone meanwhile
+            continue
+    serving: Dict[str, List[str]] = {}  # expert -> peers serving it
+    deadline = time.monotonic() + RECOVER_INFO_S
+    for peer, opened in asked:
+        try:
+            status, info = opened.result(max(0.0, deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - dead, starting, another job's: not a source
+            continue
+        if status == "ok" and isinstance(info, dict) and info.get("state") == "serving":
+            for expert in info.get("experts", {}) or {}:
+                serving.setdefault(str(expert), []).append(peer)
+    recovered: Dict[str, str] = {}
+    for server in servers:
+        for expert in server.names:
+            for peer in serving.get(expert, []):
+                started = time.monotonic()
+                try:
+                    state = RemoteExpert(peer, expert, transport=transport, secret=secret,
+                                         forward_timeout=RECOVER_TIMEOUT_S).remote_snapshot()
+                    steps = server.restore(expert, state, f"peer {peer}")
+                except Exception as error:  # noqa: BLE001 - the next replica, if any
+                    _log.warning("expert %r: could not take the state of peer %r: %s: %s",
+                                 expert, peer, type(error).__name__, error)
+                    continue
+                size = sum(t.numel() * t.element_size() for t in state.module.values())
+                _log.info("expert %r took the state of peer %r (step %d, %.2f MB of weights "
+                          "in %.3f s)", expert, peer, steps, size / 1e6,
+                          time.monotonic() - started)
+                recovered[expert] = f"peer {peer}"
+                break
+    return recovered
+
+
+def _warn_fresh(me: str, servers: Sequence[ExpertServer], recovered: Mapping[str, str]) -> None:
+    """A WARNING for each expert that the restart of ``me`` starts from its
+    factory's weights: no live replica's state taken, and no snapshot in its
+    server's state directory (or no state directory at all)."""
+    for server in servers:
+        resumed: Optional[Mapping[str, str]] = getattr(server, "resumed", None)
+        for expert in server.names:
+            if expert in recovered:
+                continue
+            if server.snapshots is None:
+                why = "it has no state_dir"
+            elif resumed is not None and not resumed.get(expert):
+                why = f"no usable snapshot of it in {server.snapshots.directory}"
+            elif resumed is None and not snapshot_paths(server.snapshots.directory, expert):
+                why = f"no snapshot of it in {server.snapshots.directory}"
+            else:
+                continue  # resumed from a snapshot (logged at INFO by its server)
+            _log.warning("expert %r starts fresh on %r, restarted by Ray: what it learned died "
+                         "with the process (%s; no live replica's state taken)", expert, me, why)
 
 
 _actor_classes: List[Any] = []
@@ -289,6 +423,18 @@ class RayExpertServer:
     id to place the actor on, or ``"here"`` (this process's node).
     ``torch_threads``: ``torch.set_num_threads`` in the actor (0 leaves
     torch's default).
+
+    Durable state (see the module docstring): ``state_dir`` (a directory on
+    the actor's node; a shared filesystem if Ray may re-place it on another
+    node), ``save_every`` steps and/or ``save_interval`` seconds, as
+    :class:`~moe_autograd.remote.ExpertServer`'s. ``max_restarts``: how
+    many times Ray restarts the actor after its process or node died (0,
+    the default: never; -1: always); a restart resumes its experts from
+    ``state_dir`` and, with ``recover=True``, from a live replica in
+    ``namespace`` (a new server started with ``recover=True`` takes its
+    replicas' state too, before its first call). Re-placement after a
+    node's death needs ``on_node=None``. A detached restartable actor needs
+    a ``secret_file`` that outlives this driver.
     """
 
     def __init__(self, name: str, experts: Factory, *, namespace: str = NAMESPACE,
@@ -298,7 +444,9 @@ class RayExpertServer:
                  runtime_env: Optional[Mapping[str, Any]] = None,
                  on_node: Optional[str] = None, wait: bool = True,
                  secret_file: Optional[str] = None, allow_unauthenticated: bool = False,
-                 **server_options: Any) -> None:
+                 state_dir: Optional[str] = None, save_every: Optional[int] = None,
+                 save_interval: Optional[float] = None, max_restarts: int = 0,
+                 recover: bool = False, **server_options: Any) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         if not (isinstance(experts, str) or callable(experts)):
@@ -314,6 +462,18 @@ class RayExpertServer:
         if unknown:
             raise TypeError(f"RayExpertServer got unknown options {unknown}; ExpertServer "
                             f"takes {known}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) \
+                or max_restarts < -1:
+            raise ValueError(f"max_restarts must be an int >= -1 (-1: always restart), got "
+                             f"{max_restarts!r}")
+        server_options = dict(server_options, **_durable(state_dir, save_every, save_interval))
+        if detached and max_restarts != 0 and not secret_file \
+                and not os.environ.get(ENV_SECRET_FILE):
+            raise ValueError(f"RayExpertServer {name!r}: a detached actor that Ray may restart "
+                             "reads the job's secret again at each restart, after this driver "
+                             "(and the private copy of its secret) is gone: give it a "
+                             "secret_file (or MOE_AUTOGRAD_SECRET_FILE)")
+        self._restartable = max_restarts != 0
         self._ready_timeout = check_timeout("ready_timeout", ready_timeout)
         ray = _ray()
         if not ray.is_initialized():
@@ -327,7 +487,8 @@ class RayExpertServer:
                                        allow_unauthenticated=allow_unauthenticated)
         options: Dict[str, Any] = dict(name=name, namespace=namespace,
                                        max_concurrency=max_concurrency, num_cpus=num_cpus,
-                                       num_gpus=num_gpus, max_restarts=0)
+                                       num_gpus=num_gpus, max_restarts=max_restarts,
+                                       max_task_retries=0)  # at most once: no step twice
         if resources:
             options["resources"] = dict(resources)
         if detached:
@@ -344,13 +505,19 @@ class RayExpertServer:
         try:
             self.handle = actor_class.options(**options).remote(
                 name, namespace, experts, dict(server_options), torch_threads, secret_path,
-                bool(allow_unauthenticated))
+                bool(allow_unauthenticated), bool(recover))
         except ValueError as error:
-            _read_private_copy(self._private_copy)
+            self._release_secret()
             raise ValueError(f"cannot start Ray expert server {name!r} in namespace "
                              f"{namespace!r}: {short(error)}") from error
         if wait:
             self.wait_ready()
+
+    def _release_secret(self) -> None:
+        """The actor no longer needs the private copy of the secret (see
+        :func:`_read_private_copy`). Idempotent."""
+        copy, self._private_copy = self._private_copy, None
+        _read_private_copy(copy)
 
     def _request(self, message: Dict[str, Any], timeout: Optional[float]) -> Any:
         """A sealed operation of the actor; its value (raises its error)."""
@@ -373,9 +540,11 @@ class RayExpertServer:
         try:
             try:  # constructed: the actor has read its secret
                 ray.get(self.handle.__ray_ready__.remote(), timeout=self._ready_timeout)
-            finally:  # or it is killed below and never will
-                _read_private_copy(self._private_copy)
-                self._private_copy = None
+            except BaseException:  # it is killed below and never will
+                self._release_secret()
+                raise
+            if not self._restartable:  # a restart reads it again: kept until kill()
+                self._release_secret()
             self._info = self._request({"op": "info"}, self._ready_timeout)
         except Exception as error:  # noqa: BLE001 - the factory failed, or no placement
             try:
@@ -401,7 +570,7 @@ class RayExpertServer:
                               f"{namespace!r}") from error
         self = cls.__new__(cls)
         self.name, self.namespace, self.handle = name, namespace, handle
-        self._private_copy = None
+        self._private_copy, self._restartable = None, False
         self.secret = secret if secret is not None else job_secret()
         self._ready_timeout = timeout
         self._transport = RayTransport(namespace, timeout=timeout,
@@ -409,10 +578,26 @@ class RayExpertServer:
         self._info = self._request({"op": "info"}, timeout)
         return self
 
+    def refresh(self, timeout: float = 5.0) -> "RayExpertServer":
+        """Asks the actor again (a sealed ``info``): :attr:`pid`,
+        :attr:`node_id` and :attr:`restarted` are then its current
+        incarnation's (after Ray restarted it); raises if it does not answer
+        within ``timeout`` seconds (restarting, or dead)."""
+        info = self._request({"op": "info"}, timeout)
+        if isinstance(info, dict):
+            self._info = info
+        return self
+
     @property
     def pid(self) -> int:
-        """The actor's process id (on its node)."""
+        """The actor's process id (on its node), as last asked (:meth:`refresh`)."""
         return int(self._info["pid"])
+
+    @property
+    def restarted(self) -> bool:
+        """Whether the incarnation last asked (:meth:`refresh`) is one that
+        Ray restarted (``max_restarts``)."""
+        return bool(self._info.get("restarted", False))
 
     @property
     def node_id(self) -> str:
@@ -461,6 +646,7 @@ class RayExpertServer:
             ray.kill(self.handle, no_restart=True)
         except Exception:  # noqa: BLE001 - dead already
             pass
+        self._release_secret()
         forget_everywhere(self.name, self._transport)
 
     def __enter__(self) -> "RayExpertServer":
@@ -484,13 +670,43 @@ def _creation_error(error: BaseException) -> str:
     return short(error)
 
 
+def _durable(state_dir: Optional[str], save_every: Optional[int],
+             save_interval: Optional[float]) -> Dict[str, Any]:
+    """The hosted server's ``state_dir``/``save_every``/``save_interval``
+    (none when no ``state_dir``), the directory made absolute here: the
+    actor's working directory is Ray's, not this process's."""
+    if state_dir is None:
+        if save_every is not None or save_interval is not None:
+            raise ValueError("save_every and save_interval need a state_dir")
+        return {}
+    if not isinstance(state_dir, (str, os.PathLike)) or not str(state_dir):
+        raise TypeError(f"state_dir must be a directory path, got {state_dir!r}")
+    if save_every is not None and (isinstance(save_every, bool) or not isinstance(
+            save_every, int) or save_every < 1):
+        raise ValueError(f"save_every must be a positive number of steps or None, got "
+                         f"{save_every!r}")
+    if save_interval is not None and not (isinstance(save_interval, (int, float)) and not
+                                          isinstance(save_interval, bool) and
+                                          0 < save_interval < float("inf")):
+        raise ValueError(f"save_interval must be positive seconds or None, got "
+                         f"{save_interval!r}")
+    return {"state_dir": os.path.abspath(state_dir), "save_every": save_every,
+            "save_interval": save_interval}
+
+
 def start_servers(specs: Sequence[Tuple[str, Factory]], **options: Any) -> List[RayExpertServer]:
     """One :class:`RayExpertServer` per ``(name, experts)``; on a failure the
-    ones started are stopped."""
+    ones started are stopped. ``options`` are every server's; a
+    ``state_dir`` is each one's own subdirectory named after it (two live
+    servers never share an expert's snapshots, and a restart of a server
+    finds its own)."""
     started: List[RayExpertServer] = []
+    state_dir = options.pop("state_dir", None)
     try:
         for name, experts in specs:  # all start at once...
-            started.append(RayExpertServer(name, experts, wait=False, **options))
+            mine: Dict[str, Any] = {} if state_dir is None else {
+                "state_dir": os.path.join(state_dir, name)}
+            started.append(RayExpertServer(name, experts, wait=False, **options, **mine))
         for server in started:  # ...then each is waited for
             server.wait_ready()
     except BaseException:

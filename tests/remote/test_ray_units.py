@@ -20,10 +20,38 @@ needs_ray = pytest.mark.skipif(not ray_available(), reason="ray is not installed
     (dict(name="s", experts="m:f", max_concurrency=0), ValueError, "max_concurrency"),
     (dict(name="s", experts="m:f", backwards="stateful"), TypeError, r"unknown options \['backwards'\]"),
     (dict(name="s", experts="m:f", ready_timeout=-1.0), ValueError, "ready_timeout"),
+    (dict(name="s", experts="m:f", save_every=5), ValueError, "need a state_dir"),
+    (dict(name="s", experts="m:f", state_dir="d", save_every=0), ValueError, "save_every must"),
+    (dict(name="s", experts="m:f", state_dir="d", save_interval=-1.0), ValueError,
+     "save_interval must"),
+    (dict(name="s", experts="m:f", max_restarts=-2), ValueError, "max_restarts must"),
+    (dict(name="s", experts="m:f", max_restarts=True), ValueError, "max_restarts must"),
 ])
 def test_ray_expert_server_refuses_bad_arguments(kwargs, error, match) -> None:
     with pytest.raises(error, match=match):
         RayExpertServer(**kwargs)
+
+
+def test_a_detached_restartable_server_needs_a_secret_file(monkeypatch) -> None:
+    """A restart reads the secret again, after the driver and its private
+    copy of the secret are gone: a detached one needs a file of its own."""
+    monkeypatch.delenv("MOE_AUTOGRAD_SECRET_FILE", raising=False)
+    with pytest.raises(ValueError, match="give it a secret_file"):
+        RayExpertServer("s", "m:f", detached=True, max_restarts=1)
+
+
+def test_serve_refuses_max_restarts_without_ray(tmp_path, capsys) -> None:
+    from moe_autograd.remote import JobSecret
+    from moe_autograd.remote.cli import main
+
+    secret = JobSecret.generate().save(str(tmp_path / "job.secret"))
+    for extra, words in ((["--rank", "1", "--world-size", "2", "--max-restarts", "1"],
+                          "--max-restarts is --engine ray's"),
+                         (["--engine", "ray", "--max-restarts", "-2"],
+                          "--max-restarts must be -1 (always) or more")):
+        assert main(["serve", "--experts", "m:f", "--secret-file", secret, *extra]) == 2
+        err = capsys.readouterr().err
+        assert words in err and "usage:" not in err, err
 
 
 def test_ray_transport_refuses_bad_arguments() -> None:
