@@ -90,7 +90,8 @@ _MASK = (1 << WINDOW) - 1
 #: Refusal codes (a refusal frame's ``code``) and their names.
 REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
                            5: "replay", 6: "too many sessions", 7: "not addressed here",
-                           8: "not the owner", 9: "name taken"}
+                           8: "not the owner", 9: "name taken",
+                           10: "too large"}  # (issue 45 item 4: wire.Limits)
 _CODES = {name: code for code, name in REASONS.items()}
 _HELP = {
     "unknown job": "the request was sealed with a secret this server does not have (another "
@@ -104,6 +105,7 @@ _HELP = {
     "not addressed here": "the request names another server",
     "not the owner": "the request asks for a call or a batch of another client's session",
     "name taken": "the name is held by a live server of the fleet",
+    "too large": "the request's body, or the tensors it declares, is past its job's limits",
 }
 _log = logging.getLogger(__name__)
 

@@ -46,8 +46,14 @@ Rules (tested, ``tests/remote/test_compression.py``):
   bytes of scales), the codec carries its dtype, the block size is in
   ``[1, MAX_BLOCK]``, every scale is finite and ``>= 0`` and no ``int8`` is
   -128 (never produced); anything else raises :class:`CompressionError`
-  (a :class:`ValueError`). A decoded tensor is contiguous, in the dtype the
-  sender had, and takes at most 8 times its payload's bytes (int8 to float64).
+  (a :class:`ValueError`); :func:`check` checks the lengths alone, before
+  anything is read or allocated. A decoded tensor is contiguous, in the dtype
+  the sender had, and takes at most 8 times its payload's bytes (int8 to
+  float64); decoding allocates nothing else but :data:`CHUNK` float32
+  elements of scratch (int8 to a dtype other than float32, a chunk at a time:
+  the same values as converting the whole), so a receiver that admitted the
+  decoded size (``numel * element_size``, :mod:`.wire`) admitted what it
+  takes.
 * Rule 4 (determinism): the same tensor encodes to the same bytes, so a
   stateless server's recomputation in backward sees exactly the inputs its
   forward saw.
@@ -60,7 +66,8 @@ import torch
 from torch import Tensor
 
 __all__ = ["Compression", "Compressed", "CompressionError", "CODECS", "CODEC_IDS", "BLOCK",
-           "MAX_BLOCK", "resolve", "applies", "compress", "decompress", "payload_itemsize"]
+           "MAX_BLOCK", "CHUNK", "resolve", "applies", "compress", "check", "decompress",
+           "payload_itemsize"]
 
 
 class Compression(str, enum.Enum):
@@ -82,6 +89,7 @@ CODEC_IDS: Dict[str, int] = {"fp16": 1, "bf16": 2, "int8": 3}
 _BY_ID = {code: name for name, code in CODEC_IDS.items()}
 BLOCK = 64          # elements per int8 block (one float32 scale each: 6.25 % more bytes)
 MAX_BLOCK = 1 << 16
+CHUNK = 1 << 20     # float32 elements of scratch an int8 decode to another dtype uses
 _WIDE = (torch.float32, torch.float64)
 _APPLIES: Dict[str, Tuple[torch.dtype, ...]] = {
     "fp16": _WIDE, "bf16": _WIDE,
@@ -172,44 +180,76 @@ def compress(t: Tensor, codec: str, block: int = BLOCK) -> Optional[Tuple[Tensor
     return q, scales
 
 
-def decompress(codec_id: int, dtype: torch.dtype, shape: Tuple[int, ...], payload: Tensor,
-               scales: Optional[Tensor], block: int) -> Tensor:
-    """The tensor a compressed descriptor stands for: ``payload`` and
-    ``scales`` are the raw bytes (1-D uint8 CPU tensors) of its buffers.
-    Raises :class:`CompressionError` where they do not match (Rule 3)."""
+def check(codec_id: int, dtype: torch.dtype, shape: Tuple[int, ...], payload_bytes: int,
+          scales_bytes: Optional[int], block: int) -> str:
+    """The codec of a compressed descriptor whose buffers have ``payload_bytes``
+    and ``scales_bytes`` (``None``: no scales buffer), checked against its
+    descriptor (Rule 3's lengths, from the lengths alone: nothing is read or
+    allocated); raises :class:`CompressionError` where they do not match."""
     codec = _BY_ID.get(codec_id)
     if codec is None:
         raise CompressionError(f"unknown codec id {codec_id}")
     if not applies(dtype, codec):
         raise CompressionError(f"codec {codec} does not carry {dtype} tensors")
     n = math.prod(shape)
-    if payload.numel() != n * payload_itemsize(codec):
-        raise CompressionError(f"a {codec} payload of {payload.numel()} bytes for {n} elements "
+    if payload_bytes != n * payload_itemsize(codec):
+        raise CompressionError(f"a {codec} payload of {payload_bytes} bytes for {n} elements "
                                f"(expected {n * payload_itemsize(codec)})")
     if codec in _HALF:
-        if scales is not None or block != 0:
+        if scales_bytes is not None or block != 0:
             raise CompressionError(f"a {codec} tensor carries no scales and no block size")
-        return _typed(payload, _HALF[codec]).to(dtype).view(shape)
-    if scales is None or not 1 <= block <= MAX_BLOCK:
+        return codec
+    if scales_bytes is None or not 1 <= block <= MAX_BLOCK:
         raise CompressionError(f"an int8 tensor needs scales and a block size in [1, "
                                f"{MAX_BLOCK}], got block {block}")
     nblocks = _blocks(n, block)
-    if scales.numel() != nblocks * 4:
-        raise CompressionError(f"{scales.numel()} bytes of scales for {nblocks} blocks of "
+    if scales_bytes != nblocks * 4:
+        raise CompressionError(f"{scales_bytes} bytes of scales for {nblocks} blocks of "
                                f"{block} (expected {nblocks * 4})")
+    return codec
+
+
+def decompress(codec_id: int, dtype: torch.dtype, shape: Tuple[int, ...], payload: Tensor,
+               scales: Optional[Tensor], block: int) -> Tensor:
+    """The tensor a compressed descriptor stands for: ``payload`` and
+    ``scales`` are the raw bytes (1-D uint8 CPU tensors) of its buffers.
+    Raises :class:`CompressionError` where they do not match (Rule 3).
+    Allocates the result and, for an int8 payload of another dtype than
+    float32, at most :data:`CHUNK` float32 elements of scratch (Rule 3)."""
+    codec = check(codec_id, dtype, shape, payload.numel(),
+                  None if scales is None else scales.numel(), block)
+    n = math.prod(shape)
+    if codec in _HALF:
+        return _typed(payload, _HALF[codec]).to(dtype).view(shape)
+    assert scales is not None  # (check: an int8 tensor has scales)
     s = _typed(scales, torch.float32)
-    if nblocks and not (bool(torch.isfinite(s).all()) and bool((s >= 0).all())):
+    if s.numel() and not (bool(torch.isfinite(s).all()) and bool((s >= 0).all())):
         raise CompressionError("an int8 tensor with a negative or non-finite scale")
     q = _typed(payload, torch.int8)
-    if n and bool((q == -128).any()):
+    if n and int(q.min()) == -128:  # (a reduction: no tensor of n booleans)
         raise CompressionError("an int8 payload holding -128 (values are in [-127, 127])")
-    out = torch.empty(n, dtype=torch.float32)
+    out = torch.empty(n, dtype=dtype)
+    if dtype == torch.float32:
+        _int8_into(out, q, s, block)
+        return out.view(shape)
+    step = max(1, CHUNK // block) * block  # whole blocks per chunk
+    scratch = torch.empty(min(n, step), dtype=torch.float32)
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        part = scratch[:stop - start]
+        _int8_into(part, q[start:stop], s[start // block:_blocks(stop, block)], block)
+        out[start:stop].copy_(part)  # the same rounding as a whole tensor's .to(dtype)
+    return out.view(shape)
+
+
+def _int8_into(out: Tensor, q: Tensor, s: Tensor, block: int) -> None:
+    """``out`` (float32) = ``q`` (int8, starting at a block) times its blocks' scales ``s``."""
+    n = q.numel()
     full = (n // block) * block
     if full:
         torch.mul(q[:full].view(-1, block), s[:full // block, None], out=out[:full].view(-1, block))
     if full < n:
         torch.mul(q[full:], s[-1], out=out[full:])
-    return (out if dtype == torch.float32 else out.to(dtype)).view(shape)
 
 
 def _typed(raw: Tensor, dtype: torch.dtype) -> Tensor:

@@ -18,6 +18,13 @@ Lifecycle of a request here (:func:`serve`)::
     ------------------------  ----------------------------------------------------------
     Gate.open                 refused -> an unsealed refusal frame (its reason's code
                               only); counted and logged; nothing decoded or run
+    wire.decode, within the   past them (a body longer than its job's bound; more lists,
+    job's wire.Limits         tuples and dicts than its length allows, or nested deeper;
+                              compressed tensors declaring more decoded bytes than the
+                              job's budget) -> a sealed error reply naming what was too
+                              big; counted and logged as a "too large" refusal; refused
+                              while the body is read, before any tensor is decoded
+                              (what it cost so far: :mod:`.wire`'s table)
     wire.decode               malformed (a compressed payload that does not match its
                               descriptor included) -> a sealed error reply; counted and
                               logged as a "malformed" refusal
@@ -32,26 +39,38 @@ Invariants:
 * Handlers receive the authenticated :class:`~.auth.Caller` (job and session:
   the owner of states and batches) and the decoded request (a ``dict``);
   they check its fields themselves.
+* A request is decoded within the limits of its job
+  (:func:`request_limits`: ``wire.Limits.for_budget`` of the budget that
+  :func:`set_request_budget`'s function gives for the caller; the server
+  module's is the sum of ``max_request_bytes`` of the servers of that job in
+  this process). Decoding it allocates at most about
+  ``wire.BODY_AMPLIFICATION`` times its body's bytes, one copy of its buffers
+  (where they arrived read-only) and the declared decoded bytes of its
+  compressed tensors, which that budget admitted first.
 """
 import logging
 import threading
 import traceback
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 from . import wire
 from .auth import Caller, Gate, Refused, refusal_frame
 from .frame import Frame
 
 __all__ = ["serve", "gate", "register", "register_operation", "unregister_operation",
-           "operations", "error_text", "Handler", "Reply"]
+           "operations", "error_text", "set_request_budget", "request_limits", "Handler",
+           "Reply", "Budget"]
 
 Reply = List[Any]  # ["ok", value] or ["error", text]
 Handler = Callable[[Caller, Dict[str, Any]], Reply]
+#: The bytes of tensors one request of a caller's job may take here (``None``: unbounded).
+Budget = Callable[[Caller], Optional[int]]
 _log = logging.getLogger(__name__)
 _handlers: Dict[str, Handler] = {}
 _operations: Dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
 _gate = Gate()
+_budget: List[Budget] = []  # set_request_budget's function (none: unbounded)
 
 
 def gate() -> Gate:
@@ -87,6 +106,21 @@ def operations() -> List[str]:
         return sorted(_operations)
 
 
+def set_request_budget(budget: Budget) -> None:
+    """Makes ``budget(caller)`` the bytes one request of the caller's job may
+    take in this process (:func:`request_limits`; :mod:`.server` sets it)."""
+    with _lock:
+        _budget[:] = [budget]
+
+
+def request_limits(caller: Caller) -> wire.Limits:
+    """The limits a request of ``caller``'s job is decoded within (see the
+    module docstring)."""
+    with _lock:
+        budget = _budget[0] if _budget else None
+    return wire.Limits.for_budget(budget(caller) if budget is not None else None)
+
+
 def error_text(error: BaseException, tail: bool = False) -> str:
     """An error as a reply carries it (with the server's traceback tail)."""
     text = f"{type(error).__name__}: {error}"
@@ -118,7 +152,11 @@ register("call", _call_operation)
 
 def _run(caller: Caller, body: bytes, buffers: Any) -> Reply:
     try:
-        request = wire.decode(body, buffers)
+        request = wire.decode(body, buffers, request_limits(caller))
+    except wire.TooLarge as error:
+        _gate.refuse("too large", f"a request of job {caller.job} past its limits ({error})")
+        return ["error", f"MemoryError: request too large, refused before it was decoded: "
+                         f"{error}"]
     except wire.WireError as error:
         _gate.refuse("malformed", f"a request whose body does not decode ({error})")
         return ["error", f"malformed request: {error}"]

@@ -24,6 +24,8 @@ the client's ``RemoteExpert(..., compression=...)``) gets its outputs (forward)
 and input gradients (backward) back in that codec (:mod:`.compression`);
 what arrived compressed was decoded by :mod:`.wire` before any handler here
 runs, so the limits below count tensors at their decoded size.
+(Before it is decoded, a request is bounded by :func:`_job_budget`: see
+:mod:`.endpoint`; its compressed tensors, decoded, fit the job's budget.)
 
 Who may do what: a server serves the jobs whose secrets it was given
 (``secret=``, default the job's: :func:`~.auth.job_secret`); a request sealed
@@ -504,6 +506,18 @@ def _check_request_size(hosted: _Hosted, what: str, *parts: Any) -> None:
                           f"{size} bytes once materialised, more than max_request_bytes="
                           f"{limit} of this server (expanded/stride-0 tensors count at "
                           "their full size, nested ones too)")
+
+
+def _job_budget(caller: Caller) -> Optional[int]:
+    """What one request of the caller's job may declare here before it is
+    decoded (:func:`.endpoint.request_limits`): the sum of ``max_request_bytes``
+    of this process's servers of the job (:func:`admit_request` admits no more),
+    ``None`` where one of them has none (or none serves the job)."""
+    with _registry_lock:
+        servers = {id(h.server): h.server for h in _experts.values()
+                   if caller.key_id in h.server.jobs}
+    limits = [server.max_request_bytes for server in servers.values()]
+    return None if not limits or None in limits else sum(x for x in limits if x is not None)
 
 
 def _job_tensors(job: Any) -> List[Any]:
@@ -1070,3 +1084,4 @@ endpoint.register("backward", run_job)
 endpoint.register("control", _control_op)
 endpoint.register("release", _release_op)
 endpoint.register("info", _info_op)
+endpoint.set_request_budget(_job_budget)

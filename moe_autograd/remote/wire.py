@@ -15,7 +15,9 @@ uint8, requires_grad uint8, dimensions uint8, then a uint64 size and a
 uint64 stride per dimension; a tensor used twice travels once and arrives as
 one object), and a tuple the extension type 2 holding its items, packed the
 same way (so tuples stay tuples, lists stay lists). One pass of msgpack's C
-decoder reads it all: each tensor is made where its descriptor is met.
+decoder reads it all: each tensor is made where its descriptor is met (a
+body with compressed tensors is read twice: their sizes first, then their
+values).
 
 A compressed tensor (a :class:`~.compression.Compressed` in the value, see
 :mod:`.compression`) is the extension type 3: payload buffer index uint32,
@@ -25,11 +27,21 @@ uint64 size per dimension (it arrives contiguous). Its payload and its scales
 are raw buffers like any tensor's; where the codec does not apply
 (:mod:`.compression`'s Rules 1 and 2) the tensor travels as the type 1.
 
-Life of a received tensor (:func:`decode`)::
+Life of a received message (:func:`decode`, within a :class:`Limits`: a
+server's endpoint gives each job its own, :func:`Limits.for_budget` of the
+job's budget)::
 
     step                             what is checked or done
     -------------------------------  ---------------------------------------------------
-    header parsed (:mod:`.frame`)    buffer count and lengths against what arrived
+    before anything is read          the body's length: at most ``Limits.body_bytes``
+                                     (:class:`TooLarge`)
+    body read (msgpack's C decoder,  each list, tuple and dict counted as it is made:
+    once)                            at most ``Limits.containers`` + one per
+                                     :data:`BODY_BYTES_PER_CONTAINER` bytes of body, nested
+                                     at most ``Limits.depth`` deep, tuples at most
+                                     :data:`MAX_DEPTH` (:class:`TooLarge`); so the body's
+                                     objects take at most about :data:`BODY_AMPLIFICATION`
+                                     times its bytes
     descriptor read                  a buffer that exists and that no other descriptor
                                      claimed (a repeated reference must repeat the same
                                      descriptor); dtype in :data:`DTYPES`; at most
@@ -38,15 +50,21 @@ Life of a received tensor (:func:`decode`)::
                                      bytes its elements span equal its buffer's length;
                                      requires_grad only for floating and complex dtypes;
                                      compressed (type 3): the codec carries the dtype, the
-                                     payload and scales lengths match, scales finite and
-                                     >= 0 (:mod:`.compression`, Rule 3)
+                                     payload and scales lengths match (from the lengths:
+                                     nothing read), and its decoded bytes, with those of
+                                     the compressed tensors before it, are at most
+                                     ``Limits.tensor_bytes`` (:class:`TooLarge`)
     tensor made                      a view of its buffer (``frombuffer``, ``as_strided``):
                                      no allocation but a copy of a read-only buffer, so
                                      nothing beyond what arrived is allocated here; a
-                                     compressed tensor is decoded into a new one, at most
-                                     8 times its payload's bytes
-    value read                       every buffer claimed by a tensor; nesting at most
-                                     :data:`MAX_DEPTH`; no bytes left over
+                                     compressed tensor is not decoded yet
+    body read again (only with       the first reading dropped; every compressed tensor
+    compressed tensors)              decoded (scales finite and >= 0, no int8 -128:
+                                     :mod:`.compression`, Rule 3), each into the size its
+                                     descriptor declared (plus :data:`~.compression.CHUNK`
+                                     float32 elements of scratch); the body read again,
+                                     each descriptor now its decoded tensor
+    value read                       every buffer claimed by a tensor; no bytes left over
 
 What a server materialises from a tensor is ``numel * element_size`` (a
 stride-0 expanded tensor arrives as one element, and counts in full):
@@ -67,10 +85,18 @@ Invariants:
   value (``argument 1[0]['x']``). Every value that comes from user code
   (an expert's arguments, a control payload, an operation's arguments and
   result) is checked with it before it is encoded.
-* :func:`decode` raises only :class:`WireError`, whatever the bytes.
+* :func:`decode` raises only :class:`WireError`, whatever the bytes; past its
+  :class:`Limits`, the :class:`WireError` :class:`TooLarge`, naming what was
+  too big and the limit, before anything of it is decoded.
+* Decoding allocates at most about :data:`BODY_AMPLIFICATION` times the
+  body's bytes (its objects, while counted), one copy of the buffers that
+  arrived read-only, and the decoded bytes of its compressed tensors, which
+  ``Limits.tensor_bytes`` admitted before the first is decoded (a raw tensor
+  is a view of its buffer).
 """
 import math
 import struct
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import msgpack  # type: ignore[import-untyped]
@@ -78,10 +104,12 @@ import torch
 from torch import Tensor
 
 from . import compression as cz
-from .frame import buffer_view
+from .frame import MAX_BODY_BYTES, buffer_view
 
-__all__ = ["encode", "decode", "check_value", "WireError", "WireTypeError", "DTYPES",
-           "MAX_DIMS", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_INT", "tensor_nbytes"]
+__all__ = ["encode", "decode", "check_value", "WireError", "WireTypeError", "TooLarge", "Limits",
+           "DTYPES", "MAX_DIMS", "MAX_DEPTH", "MAX_ELEMENTS", "MAX_INT", "tensor_nbytes",
+           "BODY_SHARE", "MIN_BODY_BYTES", "FREE_CONTAINERS", "BODY_BYTES_PER_CONTAINER",
+           "MAX_BODY_DEPTH", "BODY_AMPLIFICATION"]
 
 #: Dtypes a message may carry, by their name.
 DTYPES: Dict[str, torch.dtype] = {
@@ -325,18 +353,135 @@ def _flat(buffer: Any) -> Tensor:
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
+#: A body's length past which msgpack's objects could take more than the
+#: tensors a request may carry: see :meth:`Limits.for_budget`.
+BODY_SHARE = 32
+MIN_BODY_BYTES = 1 << 20
+#: Containers a body may hold whatever its length, and bytes of body per container beyond them.
+FREE_CONTAINERS = 1024
+BODY_BYTES_PER_CONTAINER = 8
+#: How deep a body's containers nest: a value's :data:`MAX_DEPTH` and the message around it.
+MAX_BODY_DEPTH = MAX_DEPTH + 16
+#: About the most bytes of Python objects msgpack makes per byte of body within
+#: these limits (two-character strings: 3 bytes on the wire, 58 in memory; measured,
+#: ``tests/remote/test_wire.py``).
+BODY_AMPLIFICATION = 24
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What decoding one body may take, checked before (or while) it is
+    read, never after it is built (see the module docstring's table).
+
+    * ``tensor_bytes``: the compressed tensors' decoded bytes (``numel *
+      element_size``), all of them together, checked from their descriptors
+      before any is decoded (``None``: no bound but Rule 3's 8 bytes per
+      payload byte).
+    * ``body_bytes``: the body's length, checked before it is parsed.
+    * ``containers``: lists, tuples and dicts in the body, at most
+      ``containers + len(body) // BODY_BYTES_PER_CONTAINER``.
+    * ``depth``: how deep they nest, all kinds together.
+    """
+
+    tensor_bytes: Optional[int] = None
+    body_bytes: int = MAX_BODY_BYTES
+    containers: int = FREE_CONTAINERS
+    depth: int = MAX_BODY_DEPTH
+
+    @classmethod
+    def for_budget(cls, budget: Optional[int]) -> "Limits":
+        """The limits of a request whose tensors may take ``budget`` bytes
+        (``None``: unbounded): its compressed tensors decode to at most that,
+        and its body is at most ``budget // BODY_SHARE`` bytes (between
+        :data:`MIN_BODY_BYTES` and :data:`MAX_BODY_BYTES`), so its objects
+        take at most about ``budget`` * :data:`BODY_AMPLIFICATION` /
+        :data:`BODY_SHARE` bytes."""
+        if budget is None:
+            return cls()
+        return cls(tensor_bytes=budget,
+                   body_bytes=max(MIN_BODY_BYTES, min(MAX_BODY_BYTES, budget // BODY_SHARE)))
+
+
+class TooLarge(WireError):
+    """A body, or the tensors it declares, past a :class:`Limits`: refused
+    before it is built (the message says what, and which limit)."""
+
+
+class _Pending:
+    """A compressed tensor seen, checked and counted, not decoded yet."""
+
+    __slots__ = ("codec", "dtype", "sizes", "payload", "scales", "block", "requires_grad")
+
+    def __init__(self, codec: int, dtype: torch.dtype, sizes: Tuple[int, ...], payload: Tensor,
+                 scales: Optional[Tensor], block: int, requires_grad: bool) -> None:
+        self.codec, self.dtype, self.sizes = codec, dtype, sizes
+        self.payload, self.scales, self.block = payload, scales, block
+        self.requires_grad = requires_grad
+
+    def decoded(self) -> Tensor:
+        tensor = cz.decompress(self.codec, self.dtype, self.sizes, self.payload, self.scales,
+                               self.block)
+        if self.requires_grad:
+            tensor.requires_grad_()
+        return tensor
+
+
+_LEAVES = frozenset({type(None), bool, int, float, str, bytes, Tensor, _Pending})
+
+
 class _Decoder:
-    """The extension types of one message (its tensors, its tuples). A class
-    rather than a closure: a closure that names itself (tuples nest) would be
-    a reference cycle holding the message's tensors until a GC pass."""
+    """The extension types of one message (its tensors, its tuples), and the
+    counts its :class:`Limits` bound. A class rather than a closure: a
+    closure that names itself (tuples nest) would be a reference cycle
+    holding the message's tensors until a GC pass."""
 
-    __slots__ = ("buffers", "made", "scales", "depth")
+    __slots__ = ("buffers", "limits", "made", "scales", "depth", "containers", "max_containers",
+                 "depths", "pending", "declared")
 
-    def __init__(self, buffers: Sequence[Any]) -> None:
+    def __init__(self, buffers: Sequence[Any], limits: Limits, body_bytes: int) -> None:
         self.buffers = buffers
-        self.made: Dict[int, Tuple[bytes, Tensor]] = {}  # buffer -> (descriptor, tensor)
+        self.limits = limits
+        # buffer -> (descriptor, tensor; a compressed one _Pending until decoded)
+        self.made: Dict[int, Tuple[bytes, Any]] = {}
         self.scales: Set[int] = set()  # buffers claimed as a compressed tensor's scales
-        self.depth = 0
+        self.depth = 0  # tuples open
+        self.max_containers = limits.containers + body_bytes // BODY_BYTES_PER_CONTAINER
+        self.containers = 0
+        self.depths: Dict[int, int] = {}  # id of a container nesting others -> its depth
+        self.pending: List[int] = []  # buffers of compressed tensors to decode
+        self.declared = 0  # their decoded bytes
+
+    def parse(self, data: bytes) -> Any:
+        """One msgpack value (a body, or a tuple's items), counted."""
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
+                               ext_hook=self.hook, list_hook=self.counted,
+                               object_hook=self.counted_map)
+
+    def counted_map(self, value: Dict[str, Any]) -> Dict[str, Any]:
+        self.count(value, value.values())
+        return value
+
+    def counted(self, value: List[Any]) -> List[Any]:
+        self.count(value, value)
+        return value
+
+    def count(self, container: Any, items: Any) -> None:
+        """Counts a container msgpack just made (its items before it) against the limits."""
+        self.containers += 1
+        if self.containers > self.max_containers:
+            raise TooLarge(f"a body holding more than {self.max_containers} lists, tuples and "
+                           f"dicts (at most {self.limits.containers} and one per "
+                           f"{BODY_BYTES_PER_CONTAINER} bytes of body)")
+        if not container or _LEAVES.issuperset(map(type, items)):
+            return  # depth 1: not noted
+        depths = self.depths
+        deepest = 1
+        for item in items:
+            if type(item) in (list, dict, tuple):
+                deepest = max(deepest, depths.get(id(item), 1))
+        if deepest + 1 > self.limits.depth:
+            raise TooLarge(f"lists, tuples and dicts nested more than {self.limits.depth} deep")
+        depths[id(container)] = deepest + 1
 
     def hook(self, code: int, data: bytes) -> Any:
         if code == _TENSOR:
@@ -348,13 +493,16 @@ class _Decoder:
                 raise WireError(f"tuples nested more than {MAX_DEPTH} deep")
             self.depth += 1
             try:
-                items = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
-                                        ext_hook=self.hook)
+                items = self.parse(data)
             finally:
                 self.depth -= 1
             if type(items) is not list:
                 raise WireError("a tuple must hold an array")
-            return tuple(items)
+            made = tuple(items)
+            depth = self.depths.pop(id(items), None)  # the tuple nests what its list did
+            if depth is not None:
+                self.depths[id(made)] = depth
+            return made
         raise WireError(f"unknown extension type {code}")
 
     def tensor(self, data: bytes) -> Tensor:
@@ -370,7 +518,7 @@ class _Decoder:
         if made is not None:  # the same tensor again: the same descriptor, the same object
             if made[0] != data:
                 raise WireError(f"buffer {index} claimed by two different tensors")
-            return made[1]
+            return made[1]  # type: ignore[no-any-return]
         if index in self.scales:
             raise WireError(f"buffer {index} claimed by a tensor and as scales")
         if index >= len(self.buffers):
@@ -405,9 +553,10 @@ class _Decoder:
         self.made[index] = (data, tensor)
         return tensor
 
-
-    def packed(self, data: bytes) -> Tensor:
-        """A compressed tensor (extension type 3), decoded."""
+    def packed(self, data: bytes) -> Any:
+        """A compressed tensor (extension type 3): checked and counted against
+        :attr:`Limits.tensor_bytes` (a :class:`_Pending`), or, once
+        :meth:`inflate` decoded it, the tensor."""
         if len(data) < _PACKED_HEAD.size:
             raise WireError("a compressed tensor's descriptor shorter than its header")
         ndim = data[_PACKED_HEAD.size - 5]
@@ -434,29 +583,77 @@ class _Decoder:
             raise WireError(f"compressed tensor {index}: a malformed descriptor")
         if ndim and max(sizes) >= _DIM_LIMIT:
             raise WireError(f"compressed tensor {index}: a size past 2**48")
-        if math.prod(sizes) > MAX_ELEMENTS:
+        numel = math.prod(sizes)
+        if numel > MAX_ELEMENTS:
             raise WireError(f"compressed tensor {index}: more than {MAX_ELEMENTS} elements")
-        try:
-            tensor = cz.decompress(codec, _BY_CODE[code], sizes, _flat(self.buffers[index]),
-                                   _flat(self.buffers[scales_index]) if has_scales else None,
-                                   block)
+        dtype = _BY_CODE[code]
+        try:  # the lengths alone: nothing read, copied or allocated yet
+            cz.check(codec, dtype, sizes, _nbytes(self.buffers[index]),
+                     _nbytes(self.buffers[scales_index]) if has_scales else None, block)
         except cz.CompressionError as error:
             raise WireError(f"compressed tensor {index}: {error}") from None
-        if requires_grad:
-            tensor.requires_grad_()
-        self.made[index] = (key, tensor)
+        decoded = numel * dtype.itemsize
+        limit = self.limits.tensor_bytes
+        if limit is not None and self.declared + decoded > limit:
+            raise TooLarge(f"compressed tensor {index} ({dtype}, shape {list(sizes)}) takes "
+                           f"{decoded} bytes once decoded; with the {self.declared} bytes of "
+                           f"the compressed tensors before it, more than the {limit} bytes "
+                           "this request may declare")
+        self.declared += decoded
+        pending = _Pending(codec, dtype, sizes, _flat(self.buffers[index]),
+                           _flat(self.buffers[scales_index]) if has_scales else None, block,
+                           bool(requires_grad))
+        self.made[index] = (key, pending)
+        self.pending.append(index)
         if has_scales:
             self.scales.add(scales_index)
-        return tensor
+        return pending
+
+    def inflate(self) -> None:
+        """Decodes every compressed tensor seen (their sizes were admitted)."""
+        for index in self.pending:
+            key, pending = self.made[index]
+            try:
+                self.made[index] = (key, pending.decoded())
+            except cz.CompressionError as error:
+                raise WireError(f"compressed tensor {index}: {error}") from None
+        self.pending.clear()
+
+    def restart(self) -> None:
+        """Counts from zero again (the same body, read a second time)."""
+        self.containers = 0
+        self.depths.clear()
 
 
-def decode(body: Any, buffers: Sequence[Any]) -> Any:
+def _nbytes(buffer: Any) -> int:
+    """The length of a buffer, in bytes, without copying it (a tensor checked
+    as :func:`_flat` checks it)."""
+    if isinstance(buffer, Tensor):
+        return _flat(buffer).numel()
+    return buffer_view(buffer).nbytes
+
+
+def decode(body: Any, buffers: Sequence[Any], limits: Optional[Limits] = None) -> Any:
     """The value of a message body whose tensors are ``buffers`` (see the
-    module docstring's table); raises :class:`WireError` for anything else."""
-    decoder = _Decoder(buffers)
+    module docstring's table), within ``limits`` (default: :class:`Limits`'s
+    defaults); raises :class:`TooLarge` past them, :class:`WireError` for
+    anything else."""
+    limits = _DEFAULT_LIMITS if limits is None else limits
     try:
-        value = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
-                                ext_hook=decoder.hook)
+        size = len(body)
+    except TypeError:
+        raise WireError(f"a message body must be bytes, got {type(body).__name__}") from None
+    if size > limits.body_bytes:
+        raise TooLarge(f"a body of {size} bytes, more than the {limits.body_bytes} bytes this "
+                       "request's body may take")
+    decoder = _Decoder(buffers, limits, size)
+    try:
+        value = decoder.parse(body)
+        if decoder.pending:  # every compressed tensor admitted: decode them, read again
+            value = None  # (the first reading's objects go before the tensors come)
+            decoder.inflate()
+            decoder.restart()
+            value = decoder.parse(body)
     except WireError:
         raise
     except Exception as error:  # noqa: BLE001 - whatever the bytes: one error type
@@ -465,3 +662,6 @@ def decode(body: Any, buffers: Sequence[Any]) -> Any:
         raise WireError(f"{len(buffers)} buffers arrived for {len(decoder.made)} tensors"
                         + (f" and {len(decoder.scales)} scales" if decoder.scales else ""))
     return value
+
+
+_DEFAULT_LIMITS = Limits()

@@ -215,6 +215,26 @@ def test_rule3_half_payload_lengths_checked() -> None:
         wire.decode(body, [buffers[0][:-2]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block", [BLOCK, 7])
+def test_rule3_int8_decodes_a_chunk_at_a_time_to_the_same_values(
+        dtype: torch.dtype, block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An int8 payload decodes through CHUNK float32 elements of scratch (not
+    a float32 copy of the whole tensor) to exactly what converting the whole
+    float32 product gives, across chunk edges and a partial last block."""
+    from moe_autograd.remote import compression as cz
+
+    t = adversarial(dtype, -12, 12, n=1000)
+    payload, scales = compress(t, "int8", block)
+    assert scales is not None
+    q = payload.float()
+    whole = torch.cat([q[k:k + block] * scales[k // block] for k in range(0, q.numel(), block)])
+    monkeypatch.setattr(cz, "CHUNK", 3 * block + 1)  # 3 blocks a chunk: 1000 is 48 chunks
+    out = cz.decompress(cz.CODEC_IDS["int8"], dtype, (1000,), payload.view(torch.uint8),
+                        scales.view(torch.uint8), block)
+    assert out.dtype == dtype and torch.equal(out, whole.to(dtype))
+
+
 @pytest.fixture()
 def served() -> Iterator[None]:
     server = ExpertServer({"compression_unit_lin": nn.Linear(4, 4)}, secret=SECRET)

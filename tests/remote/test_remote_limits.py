@@ -16,8 +16,13 @@ with an authenticated caller (``wiring.caller()``; what the endpoint runs on a
 server's thread), or requests go through the whole wire to this process's own
 endpoint (``wiring.InProcess``): no RPC world.
 """
+import json
+import logging
+import subprocess
+import sys
 import threading
 from collections import deque
+from pathlib import Path
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Dict, Iterator, List, Tuple
@@ -26,12 +31,14 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+import amplify
 from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError, sizes, wire
-from moe_autograd.remote import batch_server
+from moe_autograd.remote import auth, batch_server, compression, security_stats
+from moe_autograd.remote.auth import Session
 from moe_autograd.remote.batch_server import _batch_op, _collect_op, kept_batches
 from moe_autograd.remote.server import run_job
 from moe_autograd.remote.sizes import Tally, materialised_bytes
-from wiring import InProcess, ask, caller
+from wiring import SECRET, InProcess, ask, caller
 
 pytestmark = pytest.mark.timeout(60)
 WIDTH = 8
@@ -434,3 +441,61 @@ def test_a_client_keeps_a_bounded_number_of_batches_and_never_drops_anothers(
     gated.gates[4].set()
     assert _answered(_collect_op(theirs, {"op": "collect", "batch": "b-0"})) == ([1], False)
     assert kept_batches() == before
+
+
+# -- limits before work (issue 45, item 4): amplifying requests ---------------------------------
+@pytest.mark.parametrize("kind, says", [
+    ("int8", "compressed tensor 0 (torch.float64, shape [8388608]) takes 67108864 bytes once "
+             "decoded; with the 0 bytes of the compressed tensors before it, more than the "
+             "16777216 bytes this request may declare"),
+    ("maps", "a body of 16777324 bytes, more than the 1048576 bytes this request's body may take"),
+    ("maps_within", "a body holding more than 132096 lists, tuples and dicts (at most 1024 and "
+                    "one per 8 bytes of body)"),
+    ("lists_within", "a body holding more than 132096 lists, tuples and dicts"),
+    ("nested", f"lists, tuples and dicts nested more than {wire.MAX_BODY_DEPTH} deep"),
+])
+def test_amplifying_requests_are_refused_before_decoding_counted_and_logged(
+        kind: str, says: str, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each amplifying request of amplify.py (a member's: sealed with the
+    job's secret) is refused before anything of it is decoded, with an
+    error naming what was too big and the limit, counted as a "too large"
+    refusal and logged; the next step is exact against a local copy."""
+    monkeypatch.setattr(auth, "_logged", {})  # (the log's rate limit: each test logs)
+    monkeypatch.setattr(compression, "decompress",
+                        lambda *a: pytest.fail("a compressed tensor decoded before admitted"))
+    server, module = amplify.serve()
+    try:
+        before = security_stats()["refused"].get("too large", 0)
+        with caplog.at_level(logging.WARNING, logger="moe_autograd.remote.auth"):
+            text = amplify.send(kind, Session(SECRET))
+        assert text.startswith("MemoryError: request too large, refused before it was decoded: "
+                               + says), text
+        assert security_stats()["refused"]["too large"] == before + 1
+        assert any("(too large); nothing of it was used or run" in r.getMessage()
+                   and says[:40] in r.getMessage() for r in caplog.records), caplog.text
+        monkeypatch.undo()
+        assert amplify.step_is_exact(module)
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(240)
+def test_amplifying_requests_keep_the_servers_peak_memory_bounded() -> None:
+    """The server's peak resident memory (VmHWM, in a fresh process) over
+    each amplifying request is at most the bytes that arrived, plus 10 times
+    the body's bound for its job (1 MiB here), plus 8 MiB. Before issue 45:
+    107 MiB for the int8 request (8.5 MiB arrived), 1.3 GB for the 16 MiB
+    body of empty maps, 80 MiB for 1 MiB of them. Each is followed by an
+    exact step."""
+    script = Path(amplify.__file__)
+    out = subprocess.run([sys.executable, str(script), *amplify.KINDS], cwd=script.parent,
+                         capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["kind"] for r in results] == list(amplify.KINDS), out.stdout
+    for result in results:
+        assert "request too large, refused before it was decoded" in result["reply"], result
+        bound = result["received"] + 10 * amplify._body_within() + 8 * MiB
+        assert result["peak"] <= bound, result
+        assert result["exact_after"], result

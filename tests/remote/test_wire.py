@@ -659,3 +659,108 @@ def test_tuples_nest_to_max_depth_and_keep_their_items() -> None:
     inner = msgpack.packb([{1: 2}])  # in a tuple as anywhere: map keys are str
     with pytest.raises(WireError, match=r"^malformed message body: ValueError: "):
         decode(_message(msgpack.ExtType(2, inner)), [])
+
+
+# -- limits before work (issue 45, item 4): wire.Limits -----------------------------------------
+def test_limits_for_a_budget_bound_the_body_by_a_share_of_it() -> None:
+    assert wire.Limits.for_budget(None) == wire.Limits()
+    assert wire.Limits() == wire.Limits(None, frame.MAX_BODY_BYTES, wire.FREE_CONTAINERS,
+                                        wire.MAX_DEPTH + 16)
+    mib = 1 << 20
+    for budget, body in ((16 * mib, mib), (256 * mib, 8 * mib), (1 << 40, frame.MAX_BODY_BYTES)):
+        limits = wire.Limits.for_budget(budget)
+        assert (limits.tensor_bytes, limits.body_bytes) == (budget, body)
+        assert budget * wire.BODY_AMPLIFICATION // wire.BODY_SHARE <= budget  # objects fit it
+
+
+def test_a_body_past_its_bound_is_refused_before_it_is_read() -> None:
+    junk = b"\xc1" * 101  # never valid msgpack: reading it would say "malformed"
+    with pytest.raises(wire.TooLarge, match=_exactly(
+            "a body of 101 bytes, more than the 100 bytes this request's body may take")):
+        decode(junk, [], wire.Limits(body_bytes=100))
+    with pytest.raises(WireError, match="^malformed message body"):
+        decode(junk[:100], [], wire.Limits(body_bytes=100))
+
+
+@pytest.mark.parametrize("empty", [b"\x80", b"\x90", msgpack.packb(msgpack.ExtType(2, b"\x90"))])
+def test_containers_are_bounded_by_the_bodys_length(empty: bytes) -> None:
+    """Empty maps, lists or tuples (70 bytes and more in memory each, one or a
+    few on the wire): at most FREE_CONTAINERS, and one per
+    BODY_BYTES_PER_CONTAINER bytes of body beyond them."""
+    def body(k: int) -> bytes:
+        return b"\xdc" + struct.pack(">H", k) + empty * k
+
+    def fits(k: int) -> bool:
+        return k + 1 <= wire.FREE_CONTAINERS + len(body(k)) // wire.BODY_BYTES_PER_CONTAINER
+
+    most = max(k for k in range(1000, 1 << 16) if fits(k))
+    assert len(decode(body(most), [])) == most
+    limit = wire.FREE_CONTAINERS + len(body(most + 1)) // wire.BODY_BYTES_PER_CONTAINER
+    with pytest.raises(wire.TooLarge, match=_exactly(
+            f"a body holding more than {limit} lists, tuples and dicts (at most "
+            f"{wire.FREE_CONTAINERS} and one per {wire.BODY_BYTES_PER_CONTAINER} bytes of "
+            "body)")):
+        decode(body(most + 1), [])
+
+
+@pytest.mark.parametrize("container", ["list", "dict", "tuple", "mixed"])
+def test_nesting_of_every_container_is_bounded(container: str) -> None:
+    """A value check_value lets through (MAX_DEPTH containers) in the deepest
+    message around it decodes; past MAX_BODY_DEPTH, whatever the kinds, the
+    body is refused (lists 1,000 deep included: msgpack's own stack is 1,024)."""
+    def nest(levels: int) -> Any:
+        value: Any = torch.ones(1)
+        for k in range(levels):
+            kind = container if container != "mixed" else ("list", "dict", "tuple")[k % 3]
+            value = {"k": value} if kind == "dict" else [value] if kind == "list" else (value,)
+        return value
+
+    deepest = {"op": "batch", "jobs": [{"args": [nest(wire.MAX_DEPTH)]}]}
+    wire.check_value(deepest["jobs"][0]["args"][0], "x")  # type: ignore[index]
+    assert same(roundtrip(deepest), deepest)
+    if container != "tuple":  # (tuples stop at MAX_DEPTH themselves)
+        assert same(roundtrip(nest(wire.MAX_BODY_DEPTH)), nest(wire.MAX_BODY_DEPTH))
+        with pytest.raises(wire.TooLarge, match=_exactly(
+                f"lists, tuples and dicts nested more than {wire.MAX_BODY_DEPTH} deep")):
+            roundtrip(nest(wire.MAX_BODY_DEPTH + 1))
+    with pytest.raises(wire.TooLarge, match="nested more than"):
+        decode(b"\x91" * 1000 + b"\xc0", [])
+
+
+def test_compressed_sizes_are_admitted_before_any_is_decoded(monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """Their decoded bytes (numel * element_size, 8 per int8 payload byte
+    for float64), all together, against Limits.tensor_bytes: refused before
+    the first is decoded (decompress is never called)."""
+    a, b = torch.randn(1000, dtype=torch.float64), torch.randn(10, 100, dtype=torch.float64)
+    body, buffers = encode([Compressed(a, "int8"), torch.ones(3), Compressed(b, "int8")])
+    assert sum(t.numel() for t in buffers) < 2500  # 16,000 bytes once decoded
+    with monkeypatch.context() as patch:
+        patch.setattr(cz, "decompress", lambda *a: pytest.fail("decoded before admitted"))
+        with pytest.raises(wire.TooLarge, match=_exactly(
+                "compressed tensor 3 (torch.float64, shape [10, 100]) takes 8000 bytes once "
+                "decoded; with the 8000 bytes of the compressed tensors before it, more than "
+                "the 15999 bytes this request may declare")):
+            decode(body, buffers, wire.Limits(tensor_bytes=15999))
+    out = decode(body, buffers, wire.Limits(tensor_bytes=16000))
+    assert same(out, roundtrip([Compressed(a, "int8"), torch.ones(3), Compressed(b, "int8")]))
+    assert out[0].dtype == torch.float64 and out[2].shape == (10, 100)
+    # malformed lengths are named before the limit is (nothing of them read either)
+    with pytest.raises(WireError, match=_exactly(
+            "compressed tensor 0: a fp16 payload of 2 bytes for 281474976710656 elements "
+            "(expected 562949953421312)")):
+        decode(_message([packed(0, shape=(1 << 24, 1 << 24))]), [HALF], wire.Limits(tensor_bytes=1))
+
+
+def test_measured_body_amplification_is_within_its_constant() -> None:
+    """BODY_AMPLIFICATION is what msgpack's objects take per body byte at
+    most within the limits: two-character strings (3 bytes each on the
+    wire), the worst of the leaves, and empty containers at their bound."""
+    import sys as _sys
+
+    strings = [chr(65 + k % 26) + chr(97 + k // 26 % 26) for k in range(3000)]
+    body = _message(strings)
+    taken = _sys.getsizeof(strings) + sum(_sys.getsizeof(s) for s in strings)
+    assert taken / len(body) <= wire.BODY_AMPLIFICATION
+    per_container = _sys.getsizeof({}) + 16  # (and its GC header)
+    assert per_container / wire.BODY_BYTES_PER_CONTAINER + 8 <= wire.BODY_AMPLIFICATION
