@@ -412,7 +412,9 @@ class FleetExpert(nn.Module):
             try:
                 outputs = expert(*args)
             except RemoteExpertError as error:
-                ok = False
+                # an answer from another version says nothing of the replica's health (it
+                # is brought into sync before its next call): no failure for the balancer
+                ok = None if isinstance(error, OutOfSync) else False
                 if not isinstance(error, OutOfSync):  # (asked again; one found stale is resynced)
                     expert.view.forget(worker)
                 failure = (worker, str(error), isinstance(error, RemoteTimeoutError),
