@@ -286,7 +286,8 @@ def store() -> Any:
 
 
 def test_an_outsider_cannot_publish_or_take_a_name(store: Any) -> None:
-    job, outsider = Registry(store, SECRET), Registry(store, JobSecret.generate())
+    job, outsider = Registry(store, SECRET), Registry(store, JobSecret.generate(), run="0" * 32)
+    job.found()
     before = sum(security_stats()["refused"].values())
     outsider.publish(ServerRecord("impostor", 9, {"e": "stateless"}))
     assert job.roster() == {} and job.record("impostor") is None
@@ -300,12 +301,74 @@ def test_an_outsider_cannot_publish_or_take_a_name(store: Any) -> None:
     assert sum(security_stats()["refused"].values()) > before
 
 
+def test_an_earlier_runs_records_replayed_into_a_new_run_are_refused(store: Any) -> None:
+    """Every signed fleet record names its run (issue 45): a copy of an
+    earlier run's roster, record, eviction mark, stop and beats (same
+    secret), written into a new run's store, is refused and counted; the new
+    run's servers stay listed, unevicted and running."""
+    from moe_autograd.remote.registry import PREFIX
+
+    old = Registry(store, SECRET)
+    old.found()
+    old.beat("srv_a", 3)
+    old.publish(ServerRecord("srv_a", 3, {"e": "stateless"}))
+    for _ in range(5):
+        old.beat("srv_b", 4)
+    old.evict("srv_b", 4)
+    old.request_stop()
+    captured = {key: store.get(PREFIX + key) for key in
+                ("roster", "server/srv_a", "evicted/srv_b", "stop", "beat/srv_b-4")}
+    fresh = _fresh_store()
+    new = Registry(fresh, SECRET)
+    new.found()
+    new.beat("srv_b", 4)
+    new.publish(ServerRecord("srv_b", 4, {"e": "stateless"}))
+    before = sum(security_stats()["refused"].values())
+    for key, value in captured.items():
+        if key != "roster":
+            fresh.set(PREFIX + key, value)
+    assert new.record("srv_a") is None and not new.stop_requested()
+    assert not new.evicted("srv_b", 4) and new.beats({"srv_b": 4}) == {}
+    assert new.roster() == {"srv_b": 4}
+    fresh.set(PREFIX + "roster", captured["roster"])  # the old run's roster, whole
+    assert new.roster() == {}
+    assert sum(security_stats()["refused"].values()) >= before + 5
+    # a replayed older beat never counts as a move: only a higher signed number does
+    beat = new.beat("srv_b", 4)
+    high = new.beats({"srv_b": 4})["srv_b"]
+    assert high == beat and new.beats({"srv_b": 4})["srv_b"] == high
+
+
+def test_signed_marks_expire(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_autograd.remote import registry as registry_module
+
+    job = Registry(store, SECRET)
+    job.found()
+    monkeypatch.setattr(registry_module, "MARK_TTL_S", -2 * registry_module.CLOCK_SLACK_S)
+    expired = security_stats()["refused"].get("expired", 0)
+    job.request_stop()
+    job.evict("srv_x", 3)
+    assert not job.stop_requested() and not job.evicted("srv_x", 3)
+    assert security_stats()["refused"].get("expired", 0) == expired + 2
+
+
+def _fresh_store() -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    from moe_autograd.remote.loopback import free_port
+    return dist.TCPStore("127.0.0.1", free_port(), None, True, datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
 def test_a_fleet_admits_only_servers_that_prove_the_secret(store: Any) -> None:
     """A signed record is not enough: the worker named in it must answer the
     fleet's sealed challenge with a sealed reply for the published rank."""
     from moe_autograd.remote.server import host_info, set_host_info
 
     job = Registry(store, SECRET)
+    job.found()
     server = ExpertServer({"adm_e": nn.Linear(2, 2)})
     saved = host_info()
     set_host_info(rank=3)
