@@ -85,7 +85,8 @@ from .frame import (KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame,
 
 __all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
            "MissingSecretError", "set_job_secret", "job_secret", "resolve_secret", "session_for",
-           "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS", "ENV_SECRET", "ENV_SECRET_FILE",
+           "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS",
+           "secret_for", "ENV_SECRET", "ENV_SECRET_FILE",
            "WINDOW", "MAX_SESSIONS", "DEFAULT_MAX_CLOCK_SKEW_S", "LOG_EVERY_S"]
 
 ENV_SECRET_FILE = "MOE_AUTOGRAD_SECRET_FILE"
@@ -102,7 +103,7 @@ _MASK = (1 << WINDOW) - 1
 REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
                            5: "replay", 6: "too many sessions", 7: "not addressed here",
                            8: "not the owner", 9: "name taken", 10: "too large",
-                           11: "other run", 12: "expired"}
+                           11: "other run", 12: "expired", 13: "unidentified"}
 _CODES = {name: code for code, name in REASONS.items()}
 _HELP = {
     "unknown job": "the request was sealed with a secret this server does not have (another "
@@ -120,6 +121,8 @@ _HELP = {
     "other run": "a fleet record signed with this job's secret for another run (a copy of "
                  "an earlier run's records)",
     "expired": "a signed fleet record past its expiry",
+    "unidentified": "a Ray actor whose name has no identity record signed with the job's "
+                    "secret for its actor ID: not called",
 }
 _log = logging.getLogger(__name__)
 
@@ -410,6 +413,13 @@ class Session:
 
 _sessions: Dict[bytes, Session] = {}
 _sessions_lock = threading.Lock()
+
+
+def secret_for(key_id: bytes) -> Optional[JobSecret]:
+    """The secret of this process's session with ``key_id``, if any (the one
+    that sealed a frame it sends)."""
+    session = _sessions.get(key_id)
+    return session.secret if session is not None else None
 
 
 def session_for(secret: JobSecret) -> Session:

@@ -145,7 +145,7 @@ def test_ray_transport_refuses_a_ray_without_token_auth(ray_without_token: None)
     server = ExpertServer({"ray_unit_auth_lin": nn.Linear(2, 2)})
     try:
         t, actor = RayTransport(), _FakeActor("srv")
-        t.use_handle("srv", actor)
+        t.use_handle("srv", actor, started=True)
         with pytest.raises(TransportSendError) as info:
             t.call("srv", Frame(b""), 1.0)
         _names_the_remedy(str(info.value))
@@ -156,7 +156,7 @@ def test_ray_transport_refuses_a_ray_without_token_auth(ray_without_token: None)
 
         # opted out: the same calls go through (to a fake actor serving in-process)
         insecure, actor = RayTransport(allow_unauthenticated=True), _FakeActor("srv")
-        insecure.use_handle("srv", actor)
+        insecure.use_handle("srv", actor, started=True)
         status, info_ = ask("srv", {"op": "info"}, insecure)
         assert status == "ok" and "ray_unit_auth_lin" in info_["experts"], info_
         with pytest.raises(RemoteExpertError, match="no operation 'anything'"):

@@ -428,3 +428,87 @@ def test_a_stranger_without_the_clusters_token_is_refused_at_connect(ray_world: 
                           timeout=60)
     assert "REFUSED" in done.stdout, (done.stdout, done.stderr[-500:])
     assert ray_token_env()["RAY_AUTH_MODE"] == "token"
+
+
+# -- Ray: never call what we have not identified (issue 45) ---------------------------------
+class _Touches:
+    """A reply whose unpickling touches a file (a harmless stand-in for code)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.path),))
+
+
+def test_an_impostor_that_takes_a_servers_name_is_never_called(ray_world: Dict[str, Any],
+                                                               tmp_path: Path) -> None:
+    """Ray unpickles an actor's reply before any check of ours, so a trainer
+    must not call an actor it has not identified. A server's actor publishes
+    its name bound to its actor ID, signed with the job's secret; an actor
+    that takes the name of a killed server (a token holder can, in 0.17 s)
+    has another actor ID: a static RemoteExpert's call after the reconnect is
+    refused before anything is sent (counted, logged), no code of the
+    impostor's runs here, and a RayFleet never asks it either. The step
+    after the attempt, on a live server, is still exact."""
+    import ray
+
+    from moe_autograd.remote import RayFleet, RayTransport
+    from moe_autograd.remote.ray_server import RayExpertServer
+
+    namespace = ray_world["transport"].namespace
+    marker = tmp_path / "impostor-code-ran"
+
+    @ray.remote(num_cpus=0)
+    class Impostor:
+        def handle(self, head: Any, blob: Any) -> Any:
+            return _Touches(str(marker))
+
+    victim = RayExpertServer("srv-victim", "remote_experts:setup_servers", namespace=namespace,
+                             ready_timeout=240.0)
+    transport = RayTransport(namespace=namespace, timeout=30.0)
+    expert = RemoteExpert("srv-victim", "lin", transport=transport, forward_timeout=30.0)
+    x = torch.randn(2, rx.WIDTH)
+    expert(x)  # identified, called
+    victim.kill()
+    deadline = time.monotonic() + 60.0
+    impostor = None
+    while impostor is None and time.monotonic() < deadline:  # the name is free once Ray says so
+        try:
+            impostor = Impostor.options(name="srv-victim", namespace=namespace).remote()
+        except ValueError:
+            time.sleep(0.2)
+    assert impostor is not None
+    refused = security_stats()["refused"].get("unidentified", 0)
+    try:
+        with pytest.raises(RemoteExpertError, match="was not called: the name's signed "
+                                                    "identity is actor"):
+            for _ in range(20):  # the first tries may still see the dead actor's handle
+                expert(x)
+                time.sleep(0.2)
+        # a name that never had an expert server: no identity record at all
+        stranger = Impostor.options(name="srv-stranger", namespace=namespace).remote()
+        with pytest.raises(RemoteExpertError, match="published no identity record"):
+            RemoteExpert("srv-stranger", "lin", transport=transport, forward_timeout=30.0)(x)
+        fleet = RayFleet(namespace=namespace, poll=0.05)
+        try:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not {"srv-victim", "srv-stranger"} <= {
+                    e.worker for e in fleet.events if e.kind == "refused"}:
+                fleet.refresh()
+                time.sleep(0.1)
+            kinds = {(e.kind, e.worker) for e in fleet.events}
+            assert ("refused", "srv-victim") in kinds and ("refused", "srv-stranger") in kinds
+            assert ("joined", "srv-victim") not in kinds
+        finally:
+            fleet.shutdown(timeout=5.0)
+        assert not marker.exists()  # nothing of theirs was ever deserialised here
+        assert security_stats()["refused"]["unidentified"] >= refused + 2
+        after = RemoteExpert(ray_world["servers"][0].name, "lin",  # the step after: exact
+                             transport=ray_world["transport"])
+        state = after.remote_state_dict()
+        assert torch.equal(after(x), nn.functional.linear(x, state["weight"], state["bias"]))
+    finally:
+        for actor in (impostor, locals().get("stranger")):
+            if actor is not None:
+                ray.kill(actor)
