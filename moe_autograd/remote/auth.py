@@ -52,10 +52,20 @@ Invariants:
   :data:`LOG_EVERY_S` seconds (with the count of those not logged).
 * A session forgotten by a server (idle for more than ``max_clock_skew``)
   cannot be replayed: all its messages are stale by then. The windows are
-  bounded: :data:`MAX_SESSIONS` per gate, else new sessions are refused.
-  Known limit: a server process that restarts starts with empty windows, so
-  a request captured on the network within the last ``max_clock_skew`` can
-  be replayed to it once (the README's "Security" says so).
+  bounded: at :data:`MAX_SESSIONS` per gate the least recently used go
+  first (so one client that opens sessions without end evicts its own idle
+  ones, and never locks other clients out), and a *floor* rises to the
+  newest request an evicted window accepted: a request of a session the
+  gate keeps no window for must be newer than the floor (by the client's
+  clock), so no evicted session's request can be replayed either.
+* The floor starts at the gate's start (the server process's): a request
+  sent before a server (re)started opens no window there, so requests
+  captured before a restart cannot be replayed to the new process. Known
+  limit: the comparison is of the client's clock with the server's, so
+  requests captured within the clocks' actual difference before the restart
+  (milliseconds with NTP; at most ``max_clock_skew``) still can, once; and
+  a client whose clock is behind the server's has its first requests to a
+  just-restarted server refused as stale for that difference.
 * A forked child gets sessions of its own (never its parent's numbers).
 """
 import binascii
@@ -75,7 +85,8 @@ from .frame import (KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame,
 
 __all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
            "MissingSecretError", "set_job_secret", "job_secret", "resolve_secret", "session_for",
-           "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS", "ENV_SECRET", "ENV_SECRET_FILE",
+           "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS",
+           "secret_for", "ENV_SECRET", "ENV_SECRET_FILE",
            "WINDOW", "MAX_SESSIONS", "DEFAULT_MAX_CLOCK_SKEW_S", "LOG_EVERY_S"]
 
 ENV_SECRET_FILE = "MOE_AUTOGRAD_SECRET_FILE"
@@ -83,6 +94,7 @@ ENV_SECRET = "MOE_AUTOGRAD_SECRET"
 KEY_BYTES = 32
 WINDOW = 4096                 # request numbers a session may arrive out of order by
 MAX_SESSIONS = 1 << 16        # client sessions one gate keeps windows for
+EVICT_SHARE = 64              # at MAX_SESSIONS, 1/EVICT_SHARE of them (least recent) go
 DEFAULT_MAX_CLOCK_SKEW_S = 300.0
 LOG_EVERY_S = 10.0
 _MASK = (1 << WINDOW) - 1
@@ -90,8 +102,8 @@ _MASK = (1 << WINDOW) - 1
 #: Refusal codes (a refusal frame's ``code``) and their names.
 REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
                            5: "replay", 6: "too many sessions", 7: "not addressed here",
-                           8: "not the owner", 9: "name taken",
-                           10: "too large"}  # (issue 45 item 4: wire.Limits)
+                           8: "not the owner", 9: "name taken", 10: "too large",
+                           11: "other run", 12: "expired", 13: "unidentified"}
 _CODES = {name: code for code, name in REASONS.items()}
 _HELP = {
     "unknown job": "the request was sealed with a secret this server does not have (another "
@@ -106,6 +118,11 @@ _HELP = {
     "not the owner": "the request asks for a call or a batch of another client's session",
     "name taken": "the name is held by a live server of the fleet",
     "too large": "the request's body, or the tensors it declares, is past its job's limits",
+    "other run": "a fleet record signed with this job's secret for another run (a copy of "
+                 "an earlier run's records)",
+    "expired": "a signed fleet record past its expiry",
+    "unidentified": "a Ray actor whose name has no identity record signed with the job's "
+                    "secret for its actor ID: not called",
 }
 _log = logging.getLogger(__name__)
 
@@ -398,6 +415,13 @@ _sessions: Dict[bytes, Session] = {}
 _sessions_lock = threading.Lock()
 
 
+def secret_for(key_id: bytes) -> Optional[JobSecret]:
+    """The secret of this process's session with ``key_id``, if any (the one
+    that sealed a frame it sends)."""
+    session = _sessions.get(key_id)
+    return session.secret if session is not None else None
+
+
 def session_for(secret: JobSecret) -> Session:
     """This process's session under ``secret``."""
     session = _sessions.get(secret.key_id)
@@ -428,10 +452,11 @@ class Caller:
 
 
 class _Window:
-    __slots__ = ("high", "bits", "seen")
+    __slots__ = ("high", "bits", "seen", "sent")
 
     def __init__(self) -> None:
         self.high, self.bits, self.seen = -1, 0, 0.0
+        self.sent = 0  # the newest sent time (ms, the client's clock) it accepted
 
     def accept(self, seq: int, now: float) -> bool:
         if seq > self.high:
@@ -450,10 +475,17 @@ class _Window:
 class Gate:
     """A server process's judge of requests (see the module docstring)."""
 
-    def __init__(self, max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S) -> None:
+    def __init__(self, max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW_S,
+                 started: Optional[float] = None) -> None:
         self.max_clock_skew = float(max_clock_skew)
+        self.started = time.time() if started is None else float(started)
         self._keys: Dict[bytes, Tuple[JobSecret, int]] = {}  # key id -> (secret, users)
+        #: Replay windows, least recently used first (a dict keeps its order).
         self._windows: Dict[Tuple[bytes, bytes, str], _Window] = {}
+        #: A session this gate has no window for must be newer than this (ms,
+        #: see :meth:`open`): its start (no request captured before a restart
+        #: is taken), then the newest request of a session evicted while live.
+        self._floor_ms = int(self.started * 1000)
         self._lock = threading.Lock()
 
     # -- keys ----------------------------------------------------------------------------
@@ -512,18 +544,27 @@ class Gate:
                                        f"(max_clock_skew={self.max_clock_skew:g} s)")
         with self._lock:
             key = (header.key_id, header.session, me)
-            window = self._windows.get(key)
-            if window is None:
-                if len(self._windows) >= MAX_SESSIONS:
-                    self._forget_idle(now)
-                if len(self._windows) >= MAX_SESSIONS:
-                    window = None
-                else:
-                    window = self._windows[key] = _Window()
+            window = self._windows.pop(key, None)
+            if window is None and header.sent_ms <= self._floor_ms:
+                refused_old = True
+            else:
+                refused_old = False
+                if window is None:
+                    if len(self._windows) >= MAX_SESSIONS:
+                        self._forget_idle(now)
+                    if len(self._windows) >= MAX_SESSIONS:
+                        self._evict_least_recent()
+                    window = _Window()
+                self._windows[key] = window  # (last: the most recently used)
             accepted = window is not None and window.accept(header.seq, now)
-        if window is None:
-            raise self.refuse("too many sessions", f"a request of a new session past "
-                                                   f"{MAX_SESSIONS} live client sessions")
+            if accepted:
+                assert window is not None
+                window.sent = max(window.sent, header.sent_ms)
+        if refused_old:
+            raise self.refuse("stale", f"a request of a session this server keeps no window "
+                                       f"for, sent before the server started or before such "
+                                       f"windows were evicted (session "
+                                       f"{header.session.hex()[:8]})")
         if not accepted:
             raise self.refuse("replay", f"a replayed request ({header.seq} of session "
                                         f"{header.session.hex()[:8]})")
@@ -534,6 +575,16 @@ class Gate:
         idle = [k for k, w in self._windows.items() if now - w.seen > self.max_clock_skew]
         for key in idle:
             del self._windows[key]
+
+    def _evict_least_recent(self) -> None:
+        """Makes room at :data:`MAX_SESSIONS` live sessions: the least
+        recently used :data:`EVICT_SHARE` of them go, and the floor rises to
+        the newest request they accepted, so none of their requests (nor any
+        older one) opens a window again. A client that fills the table evicts
+        its own idle sessions, not the others' busy ones."""
+        count = max(1, len(self._windows) // EVICT_SHARE)
+        for key in list(self._windows)[:count]:
+            self._floor_ms = max(self._floor_ms, self._windows.pop(key).sent)
 
     @staticmethod
     def seal_reply(secret: JobSecret, caller: Caller, me: str, body: bytes,

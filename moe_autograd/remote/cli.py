@@ -47,7 +47,9 @@ warnings (refused requests, ...) among them.
 Invariant: the process exits with status 0 after a signal or the world's end,
 and 2 on bad arguments (argparse, or no usable secret, or a Ray without token
 authentication); with ``--join``, 75 if it could not join (start it again)
-and 3 if it was evicted (reaped while stopped).
+and 3 if it was evicted (reaped while stopped); with ``--engine ray``, 1 if
+its actor died (logged as an error; an actor that Ray restarts, with
+``--max-restarts``, is waited for).
 """
 import argparse
 import logging
@@ -474,15 +476,40 @@ def _serve_on_ray(args: argparse.Namespace) -> int:
     _log(f"Ray actor {name!r} (namespace {args.namespace!r}, node {server.node_id[:12]}, "
          f"pid {server.pid}) serves {sorted(server.experts)} ({args.backward} backward)")
     halt_report = _report_served(server.served, args.report_every)
-    while not stop.wait(0.2):
-        pass
+    died = _watch_actor(server, stop)
     halt_report()
+    if died:
+        _fail(f"the Ray actor {name!r} died ({died}): its experts are no longer served; "
+              "start the server again (with --state-dir it resumes where it saved)")
+        ray.shutdown()
+        return 1
     _log("signal received, draining")
     left = server.leave(drain_timeout=args.drain_timeout, linger=min(1.0, args.drain_timeout))
     _log(f"left (undrained: {left})")
     ray.shutdown()
     _log("stopped")
     return 0
+
+
+def _watch_actor(server: Any, stop: threading.Event, every: float = 2.0) -> str:
+    """Waits for ``stop``, asking the actor every ``every`` seconds whether
+    it lives (Ray's own ``__ray_ready__`` of the handle this process started);
+    returns why it died ("" once ``stop`` is set). An actor that Ray is
+    restarting (``--max-restarts``) is waited for."""
+    import ray
+
+    while not stop.wait(0.2):
+        if stop.wait(every):
+            return ""
+        try:
+            ray.get(server.handle.__ray_ready__.remote(), timeout=every)
+        except ray.exceptions.ActorUnavailableError:
+            continue  # restarting (or its node unreachable for now)
+        except ray.exceptions.RayActorError as error:
+            return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        except ray.exceptions.GetTimeoutError:
+            continue  # busy: asked again
+    return ""
 
 
 def secret_main(argv: Optional[Sequence[str]] = None) -> int:

@@ -69,7 +69,7 @@ from . import membership, rpc_bind, stopping
 from .auth import JobSecret
 from .client import RemoteExpert
 from .rpc_engine import RpcTransport
-from .registry import NameTaken, Registry, ServerRecord, observe_alive
+from .registry import RECORD_TTL_S, NameTaken, Registry, ServerRecord, observe_alive
 from .server import ExpertServer, set_host_info
 
 __all__ = ["ElasticServer", "serve_joined", "default_name"]
@@ -128,6 +128,7 @@ class ElasticServer:
         self._halt = threading.Event()   # stops the beat thread
         self._wake = threading.Event()   # wakes serve(): stop, eviction, world lost
         self._beat_thread: Optional[threading.Thread] = None
+        self._record: Optional[ServerRecord] = None  # as published (renewed by the beats)
         self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
 
     def join(self) -> "ElasticServer":
@@ -159,8 +160,9 @@ class ElasticServer:
             self._recover(registry)
         set_host_info(rank=self.rank, name=self.name, state="serving")
         try:
-            registry.publish(ServerRecord(self.name, self.rank, dict(self.experts), "serving",
-                                          time.time()),
+            self._record = ServerRecord(self.name, self.rank, dict(self.experts), "serving",
+                                        time.time())
+            registry.publish(self._record,
                              live=lambda n, r: n in membership.members(registry.raw)
                              and membership.members(registry.raw)[n] == r)
         except NameTaken as error:
@@ -222,10 +224,15 @@ class ElasticServer:
         registry = self._registry
         assert registry is not None
         failing_since: Optional[float] = None
+        renewed = time.monotonic()
         while not self._halt.wait(self.beat_interval):
             try:
                 registry.beat(self.name, self.rank)
                 failing_since = None
+                if self.state == "serving" and self._record is not None \
+                        and time.monotonic() - renewed > RECORD_TTL_S / 4:
+                    registry.renew(self._record)  # signed records expire
+                    renewed = time.monotonic()
                 if self.state == "serving" and not self._wake.is_set():
                     if registry.evicted(self.name, self.rank):
                         self._signal("evicted")

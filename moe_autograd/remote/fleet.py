@@ -126,6 +126,8 @@ class Fleet:
         self.token_stuck_after = token_stuck_after
         self._raw = raw
         self.registry = Registry(raw, self.secret)
+        if founder:
+            self.registry.found()  # this run's id: every signed record names it
         self._beats = BeatWatch(dead_after)
         self._lock = threading.Lock()
         self._poll_lock = threading.Lock()

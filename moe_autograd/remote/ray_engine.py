@@ -43,8 +43,18 @@ without the cluster's token is refused at connect. :func:`require_token_auth`
 refuses to serve or to call over a Ray whose processes do not require the
 token (``RAY_AUTH_MODE=token``), unless the user opts out explicitly
 (``allow_unauthenticated=True``, ``serve --insecure``). Above that, every
-frame is sealed with the job's secret (:mod:`.auth`): another job on the
-same cluster is an outsider to our servers.
+frame is sealed with the job's secret (:mod:`.auth`). But Ray also
+deserialises every *reply* before our check of it runs, so calling an actor
+is trusting it: :meth:`RayTransport.call` calls a named actor only once it
+has identified it, by its identity record (:func:`publish_identity`: the
+name bound to the actor's ID, signed with the job's secret, in Ray's
+internal KV, read as bytes, so nothing of the actor's is deserialised by
+the check). An actor that took a dead server's name has another actor ID
+and no such record: it is refused (``unidentified``, counted and logged)
+before anything is sent to it, on the first call and after every reconnect.
+What this cannot stop: a holder of the cluster's token runs code on every
+node anyway (``__ray_call__``, tasks), and can read the job's secret from a
+server's memory; the README's trust table says so.
 
 Invariants:
 
@@ -55,11 +65,17 @@ Invariants:
   the transport's.
 * Callbacks run once, on Ray's completion thread or the watcher's, and must
   not block (:mod:`.batching`'s do not).
-* Public Ray API only (``ray.get_actor``, ``ActorHandle.method.remote``,
+* Public Ray API (``ray.get_actor``, ``ActorHandle.method.remote``,
   ``ObjectRef.future()``, ``ray.kill``, ``ray.get_runtime_context()``), and
-  ``ray._raylet.get_authentication_mode`` (what ``ray.exceptions`` itself uses)
-  to tell whether token authentication is on.
+  three internals: ``ray._raylet.get_authentication_mode`` (what
+  ``ray.exceptions`` itself uses) to tell whether token authentication is
+  on, ``ActorHandle._actor_id`` and ``ray.experimental.internal_kv`` (bytes
+  in, bytes out) for identities.
+* A named actor is called only after its identity record verified for the
+  frame's job and its handle's actor ID (or through the handle of the actor
+  this process started: ``use_handle(..., started=True)``).
 """
+import json
 import logging
 import os
 import sys
@@ -68,15 +84,17 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import endpoint
+from .auth import JobSecret, refuse, secret_for
 from .deadlines import DeadlineWatch, per_process
-from .frame import Frame, FrameError, buffer_lengths, buffer_view
+from .frame import KEY_ID_BYTES, Frame, FrameError, buffer_lengths, buffer_view
 from .transport import (RPC_MAX_TIMEOUT_S, WAIT_SLICE_S, Engine, Pending, TransportError,
                         TransportSendError, TransportTimeout, check_timeout, register_engine)
 
 __all__ = ["RayTransport", "default_ray_transport", "serve_frame", "require_token_auth",
            "token_auth_enabled", "RayAuthError", "NAMESPACE", "DEFAULT_TIMEOUT_S",
            "INLINE_MAX_BYTES", "ray_available", "ray_running", "forget_everywhere", "short",
-           "set_default_ray_transport", "TOKEN_HELP"]
+           "set_default_ray_transport", "TOKEN_HELP", "Unidentified", "publish_identity",
+           "IDENTITY_KV_NAMESPACE"]
 
 NAMESPACE = "moe_autograd"  # the Ray namespace of expert servers unless told otherwise
 DEFAULT_TIMEOUT_S = 60.0    # what bounds a call given no timeout (as rpc_timeout does)
@@ -88,6 +106,35 @@ Blob = Union[bytes, Any]
 class RayAuthError(RuntimeError):
     """The Ray cluster does not require token authentication (see
     :func:`require_token_auth`)."""
+
+
+class Unidentified(TransportSendError):
+    """A named actor that has no identity record signed with the job's
+    secret for its actor ID (an impostor that took a server's name, or an
+    actor that is no expert server of this job): nothing was sent to it."""
+
+
+IDENTITY_KV_NAMESPACE = "moe_autograd"  # Ray's internal KV: bytes in, bytes out
+
+
+def _identity_key(namespace: str, name: str) -> str:
+    return f"identity/{namespace}/{name}"
+
+
+def publish_identity(namespace: str, name: str, actor_id: str,
+                     secrets_: Sequence[JobSecret]) -> None:
+    """An expert server's actor, as it starts: writes its identity record
+    (its name bound to its actor ID, signed with each job's secret it
+    serves) into Ray's internal KV, where a client reads it before it calls
+    the actor (:meth:`RayTransport.call`). No call of the actor is needed to
+    read it: nothing an impostor sends is deserialised by the check."""
+    from ray.experimental import internal_kv
+
+    record = {"name": name, "namespace": namespace, "actor_id": actor_id,
+              "macs": {s.key_id.hex(): s.sign("ray identity", namespace, name, actor_id)
+                       for s in secrets_}}
+    internal_kv._internal_kv_put(_identity_key(namespace, name), json.dumps(record),
+                                 overwrite=True, namespace=IDENTITY_KV_NAMESPACE)
 
 
 def ray_available() -> bool:
@@ -314,6 +361,9 @@ class RayTransport:
         self.allow_unauthenticated = bool(allow_unauthenticated)
         self._name = name
         self._handles: Dict[str, Any] = {}
+        #: worker -> the job key ids its current handle's identity was
+        #: checked for (``None``: the handle of an actor this process started)
+        self._identified: Dict[str, Optional[set]] = {}
         self._lock = threading.Lock()
         self._local: Optional[Tuple[int, str]] = None  # (pid, name) once computed
         self._checked = False
@@ -343,15 +393,73 @@ class RayTransport:
             self._handles[worker] = handle
         return handle
 
-    def use_handle(self, worker: str, handle: Any) -> None:
-        """Calls ``worker`` through ``handle`` (one its starter holds already)."""
+    def use_handle(self, worker: str, handle: Any, started: bool = False) -> None:
+        """Calls ``worker`` through ``handle``: with ``started``, the handle
+        of the actor this process started (needs no identity check), else
+        one looked up by name elsewhere (checked before its first call)."""
         with self._lock:
+            if self._handles.get(worker) is not handle:
+                self._identified.pop(worker, None)
             self._handles[worker] = handle
+            if started:
+                self._identified[worker] = None
 
     def forget(self, worker: str) -> None:
-        """Drops the cached handle of ``worker`` (looked up again on the next call)."""
+        """Drops the cached handle of ``worker`` (looked up, and identified,
+        again on the next call)."""
         with self._lock:
             self._handles.pop(worker, None)
+            self._identified.pop(worker, None)
+
+    def _identify(self, worker: str, handle: Any, key_id: bytes) -> None:
+        """Raises :class:`Unidentified` (refused: counted, logged) unless the
+        actor behind ``handle`` has an identity record for ``worker`` signed
+        with the secret of ``key_id`` for its actor ID (see
+        :func:`publish_identity`); checked once per handle and job."""
+        with self._lock:
+            checked = self._identified.get(worker, set())
+        if checked is None or key_id in checked:
+            return
+        why = self._identity_problem(worker, handle, key_id)
+        if why is not None:
+            refuse("unidentified", f"a call of Ray actor {worker!r}: {why}",
+                   once=f"unidentified:{worker}:{why}")
+            raise Unidentified(f"Ray actor {worker!r} was not called: {why} (an impostor "
+                               f"that took the name, or not an expert server of this job)")
+        with self._lock:
+            if self._handles.get(worker) is handle:
+                found = self._identified.setdefault(worker, set())
+                if found is not None:
+                    found.add(key_id)
+
+    def _identity_problem(self, worker: str, handle: Any, key_id: bytes) -> Optional[str]:
+        secret = secret_for(key_id)
+        if secret is None:
+            return "no secret of this process has the frame's key id"
+        actor_id = getattr(getattr(handle, "_actor_id", None), "hex", lambda: None)()
+        if not isinstance(actor_id, str):
+            return "its handle has no actor ID"
+        try:
+            from ray.experimental import internal_kv
+
+            raw = internal_kv._internal_kv_get(_identity_key(self.namespace, worker),
+                                               namespace=IDENTITY_KV_NAMESPACE)
+        except Exception as error:  # noqa: BLE001 - the GCS is unreachable
+            return f"its identity record could not be read ({short(error)})"
+        if raw is None:
+            return "it published no identity record"
+        try:
+            record = json.loads(raw)
+            mac = record["macs"].get(key_id.hex())
+            claimed = str(record["actor_id"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "its identity record is malformed"
+        if not secret.verify(mac, "ray identity", self.namespace, worker, claimed):
+            return "its identity record is not signed with this job's secret"
+        if claimed != actor_id:
+            return (f"the name's signed identity is actor {claimed[:12]}, this actor is "
+                    f"{actor_id[:12]}")
+        return None
 
     def _failure(self, worker: str, error: BaseException) -> TransportError:
         ray = _ray()
@@ -383,6 +491,7 @@ class RayTransport:
                 raise TransportSendError(str(error)) from None
             self._checked = True
         handle = self.handle(worker)
+        self._identify(worker, handle, bytes(frame.head[8:8 + KEY_ID_BYTES]))
         try:
             ref = handle.handle.remote(frame.head, _blob(frame.buffers))
         except Exception as error:  # noqa: BLE001 - a dead cluster

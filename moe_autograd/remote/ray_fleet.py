@@ -9,7 +9,11 @@ that: the named actors of its namespace, and what each serves, which it asks
 each with a sealed ``info`` request (:mod:`.channel`): only a server that
 answers with a reply sealed with the job's secret is admitted (another
 job's servers in the namespace, or actors that are no expert servers, are
-never chosen). The same :class:`~.replicas.FleetExpert` calls experts by
+never chosen). And it asks only actors it has identified first: Ray
+deserialises a reply before any check of ours, so an actor whose name has
+no identity record signed with the job's secret for its actor ID (an
+impostor that took a dead server's name, another job's actor) is never
+called (:meth:`~.ray_engine.RayTransport.call`; event "refused", once). The same :class:`~.replicas.FleetExpert` calls experts by
 name over it (forward retried on
 another replica, backward to the replica that ran the forward, a name with
 no replica masked at once), so a ``MixtureOfExperts`` of fleet experts runs on
@@ -81,7 +85,7 @@ from .compression import Compression, resolve as resolve_codec
 from .balance import ReplicaBalancer, check_balance
 from .channel import Opened, request
 from .errors import RemoteAuthError
-from .ray_engine import NAMESPACE, RayTransport, _ray, short
+from .ray_engine import NAMESPACE, RayTransport, Unidentified, _ray, short
 from .replicas import FORGET_EVENTS, FleetEvent, FleetExpert, log_event
 from .transport import Transport, check_timeout
 
@@ -146,6 +150,7 @@ class RayFleet:
         self._handles: Dict[str, Any] = {}
         self._pending: Dict[str, Tuple[Opened, float]] = {}  # name -> (info() sent, sent at)
         self._refused: Set[str] = set()  # names whose answer failed authentication
+        self._unidentified: Set[str] = set()  # names without a signed identity (not called)
         # name -> (first seen serving, experts -> strategy, state)
         self._records: Dict[str, Tuple[float, Dict[str, str], str]] = {}
         self._suspects: Dict[str, float] = {}
@@ -217,8 +222,14 @@ class RayFleet:
             try:
                 opened = request(self.transport, name, {"op": "info"}, self.info_timeout,
                                  secret=self.secret, label="info")
+            except Unidentified as error:  # never called: asked again (a starting server
+                if name not in self._unidentified:  # publishes its identity as it starts)
+                    self._unidentified.add(name)
+                    self._emit(FleetEvent("refused", name, (), now, str(error)))
+                continue
             except Exception:  # noqa: BLE001 - not an expert server (no handle method)
                 continue
+            self._unidentified.discard(name)
             self._pending[name] = (opened, now)
             sent.append(opened)
         if sent:  # only what this poll sent is waited for: a silent server delays nobody

@@ -78,6 +78,7 @@ import atexit
 import inspect
 import logging
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -92,7 +93,8 @@ from .channel import request
 from .client import RemoteExpert
 from .durable import snapshot_paths
 from .factory import load_object
-from .ray_engine import (NAMESPACE, RayTransport, _ray, forget_everywhere, require_token_auth,
+from .ray_engine import (NAMESPACE, RayTransport, _ray, forget_everywhere, publish_identity,
+                         require_token_auth,
                          serve_frame, set_default_ray_transport, short)
 from .server import ExpertServer, set_host_info
 from .transport import check_timeout, set_transport
@@ -117,12 +119,17 @@ class _ExpertActor:
     def __init__(self, name: str, namespace: str, experts: Factory,
                  server_options: Dict[str, Any], torch_threads: int,
                  secret_file: Optional[str], allow_unauthenticated: bool,
-                 recover: bool = False) -> None:
+                 recover: bool = False, consume: bool = False) -> None:
         import ray
         import torch
 
         require_token_auth(allow_unauthenticated, f"Ray expert server {name!r}")
         secret = JobSecret.from_file(secret_file) if secret_file else job_secret()
+        if consume and secret_file:  # its driver's private copy, this actor's alone: read,
+            try:                     # so gone even if the driver is killed with SIGKILL
+                os.unlink(secret_file)
+            except OSError:
+                pass
         if not logging.getLogger("moe_autograd").handlers:  # resumes and refusals in its log
             configure_cli(f"moe_autograd ray server {name}")
         restarted = _was_restarted(ray)
@@ -154,6 +161,8 @@ class _ExpertActor:
         recovered = _recover(name, namespace, transport, secret, self.servers) if recover else {}
         if restarted:
             _warn_fresh(name, self.servers, recovered)
+        publish_identity(namespace, name, str(ray.get_runtime_context().get_actor_id()),
+                         [s for server in self.servers for s in server.secrets])
         set_host_info(name=name, state="serving", restarted=restarted,
                       node_id=ray.get_runtime_context().get_node_id())
         endpoint.register("drain", self._drain_op)
@@ -313,8 +322,9 @@ def _read_private_copy(path: Optional[str]) -> None:
     """An actor started from the private copy ``path`` has read it (it is
     constructed) or never will (it failed): the copy, and the directory with
     the last copy, are removed once no actor is left to read them. (The
-    ``atexit`` hook covers actors nobody waited for; a process killed before
-    either leaves the copy, mode 600, behind.)"""
+    ``atexit`` hook covers actors nobody waited for; an actor that is not
+    restartable removes its own copy as soon as it has read it, so a driver
+    killed with SIGKILL leaves none behind once its actors started.)"""
     if path is None:
         return
     with _private_lock:
@@ -355,9 +365,10 @@ def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret, Optional
     with _private_lock:
         if not _private_dirs:
             _private_dirs.append(tempfile.mkdtemp(prefix="moe_autograd-secret-"))  # mode 700
-        path = os.path.join(_private_dirs[0], f"{secret.key_id.hex()}.secret")
-        if not os.path.exists(path):
-            secret.save(path)
+        # one copy per actor: each actor removes its own once it has read it
+        path = os.path.join(_private_dirs[0],
+                            f"{secret.key_id.hex()}-{secrets.token_hex(8)}.secret")
+        secret.save(path)
         _private_readers[path] = _private_readers.get(path, 0) + 1
     return path, secret, path
 
@@ -505,7 +516,8 @@ class RayExpertServer:
         try:
             self.handle = actor_class.options(**options).remote(
                 name, namespace, experts, dict(server_options), torch_threads, secret_path,
-                bool(allow_unauthenticated), bool(recover))
+                bool(allow_unauthenticated), bool(recover),
+                self._private_copy is not None and not self._restartable)
         except ValueError as error:
             self._release_secret()
             raise ValueError(f"cannot start Ray expert server {name!r} in namespace "
@@ -521,7 +533,7 @@ class RayExpertServer:
 
     def _request(self, message: Dict[str, Any], timeout: Optional[float]) -> Any:
         """A sealed operation of the actor; its value (raises its error)."""
-        self._transport.use_handle(self.name, self.handle)
+        self._transport.use_handle(self.name, self.handle, started=True)
         status, value = request(self._transport, self.name, message, timeout,
                                 secret=self.secret, label=str(message["op"])).result(timeout)
         if status != "ok":

@@ -11,28 +11,34 @@ Store layout (prefix ``moe_autograd/fleet/``)::
 
     key                 value                               written by
     ------------------  ----------------------------------  -------------------------
+    run                 JSON {run, founded_at, MAC}: the    the founder, once
+                        run's random id
     version             counter, +1 on every roster change  publish / unpublish / reap
-    roster              JSON {server: [rank, MAC]}          compare-and-set loops
-                        (published)
-    server/<server>     JSON record (rank, experts with     the server (overwritten
-                        their backward strategy, state,     on every state change)
-                        MAC)
-    beat/<name>-<rank>  counter, +1 every beat interval     each participant's beat
-                        (one key per incarnation)           thread (servers, clients)
-    evicted/<server>    "<rank>:<MAC>" of a reaped          the reaper
-                        incarnation
-    stop                "<MAC>": servers should leave now   the coordinator's shutdown
+    roster              JSON {server: [rank, expires,       compare-and-set loops
+                        MAC]} (published)
+    server/<server>     JSON record (run, rank, experts     the server (overwritten
+                        with their backward strategy,       on every state change,
+                        state, expires, MAC)                and renewed)
+    beat/<name>-<rank>  "<n>:<MAC>", n +1 every beat        each participant's beat
+                        interval (one key per incarnation)  thread (servers, clients)
+    evicted/<server>    "<rank>:<expires>:<MAC>" of a       the reaper
+                        reaped incarnation
+    stop                "<expires>:<MAC>": servers should   the coordinator's shutdown
+                        leave now
 
 Trust: the store itself authenticates nobody (torch's TCPStore), so what a
 reader acts on is signed with the job's secret (:meth:`~.auth.JobSecret.sign`:
-roster entries, records, eviction marks, the stop): an entry whose MAC does
-not verify is ignored, counted and logged (:func:`~.auth.refuse`), so a
-process without the secret cannot publish a server, take a name, evict a
-server or stop the fleet. Heartbeat counters are not signed: a stranger who
-reaches the store can make a dead server look alive (its calls then fail on
-the transport and are retried elsewhere) or disrupt the store, not
-impersonate. A name held by a live incarnation cannot be published by
-another (:meth:`Registry.publish` refuses it).
+the run, roster entries, records, beats, eviction marks, the stop), and every
+signature but the run's names the run (:attr:`Registry.run`, 128 random bits
+the founder draws) and an expiry (wall clock, :data:`RECORD_TTL_S` for the
+roster and records, which their servers renew; :data:`MARK_TTL_S` for an
+eviction or a stop). An entry whose MAC does not verify, of another run, or
+expired is ignored, counted and logged (:func:`~.auth.refuse`), so neither a
+process without the secret nor a copy of an earlier run's records (same
+secret) can publish a server, take a name, evict a server, stop the fleet or
+keep a dead server listed. A beat counts only when its signed number grows:
+a replayed beat is an old number. A name held by a live incarnation cannot be
+published by another (:meth:`Registry.publish` refuses it).
 
 Invariants:
 
@@ -51,6 +57,7 @@ Invariants:
   :meth:`Registry.record` drop (and count) the others.
 """
 import json
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -58,10 +65,24 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 
 from .auth import JobSecret, refuse
 
-__all__ = ["PREFIX", "ServerRecord", "Registry", "BeatWatch", "observe_alive", "NameTaken"]
+__all__ = ["PREFIX", "ServerRecord", "Registry", "BeatWatch", "observe_alive", "NameTaken",
+           "NoRun", "RECORD_TTL_S", "MARK_TTL_S", "CLOCK_SLACK_S"]
 
 PREFIX = "moe_autograd/fleet/"
 _CAS_TRIES = 1000
+#: How long a signed roster entry or record is valid; servers renew theirs
+#: every quarter of it (:meth:`Registry.renew`).
+RECORD_TTL_S = 6 * 3600.0
+#: How long an eviction mark or a stop is valid (they are acted on at once).
+MARK_TTL_S = 600.0
+#: How far apart the writers' and readers' wall clocks may be.
+CLOCK_SLACK_S = 300.0
+#: How long a reader waits for the founder's run record.
+RUN_WAIT_S = 30.0
+
+
+class NoRun(RuntimeError):
+    """The store holds no valid run record (no founder, or not this job's)."""
 
 
 class NameTaken(RuntimeError):
@@ -82,14 +103,14 @@ class ServerRecord:
         return {"name": self.name, "rank": self.rank, "experts": self.experts,
                 "state": self.state, "published_at": self.published_at}
 
-    def to_json(self, secret: JobSecret) -> str:
-        body = json.dumps(self._fields(), sort_keys=True)
+    def to_json(self, secret: JobSecret, run: str, expires: float) -> str:
+        body = json.dumps(dict(self._fields(), run=run, expires=expires), sort_keys=True)
         return json.dumps({"record": body, "mac": secret.sign("server", body)})
 
     @staticmethod
-    def from_json(text: str, secret: JobSecret) -> Optional["ServerRecord"]:
+    def from_json(text: str, secret: JobSecret, run: str) -> Optional["ServerRecord"]:
         """The record, or ``None`` (counted and logged) if it is not signed
-        with ``secret`` or malformed."""
+        with ``secret``, of another run, expired, or malformed."""
         try:
             outer = json.loads(text)
             body = outer["record"]
@@ -98,6 +119,14 @@ class ServerRecord:
                        once=text)
                 return None
             d = json.loads(body)
+            if d.get("run") != run:
+                refuse("other run", f"a fleet record of {str(d.get('name'))[:60]!r} from "
+                                    f"another run of this job", once=text)
+                return None
+            if not _fresh(float(d["expires"])):
+                refuse("expired", f"an expired fleet record of {str(d.get('name'))[:60]!r}",
+                       once=text)
+                return None
             return ServerRecord(str(d["name"]), int(d["rank"]),
                                 {str(k): str(v) for k, v in dict(d.get("experts", {})).items()},
                                 str(d.get("state", "serving")), float(d.get("published_at", 0.0)))
@@ -106,12 +135,63 @@ class ServerRecord:
             return None
 
 
+def _number(text: str) -> float:
+    """A signed expiry's value (a signed one was written by :func:`repr`)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("-inf")
+
+
+def _fresh(expires: float) -> bool:
+    """Whether a record that ``expires`` (the writer's wall clock) is still valid here."""
+    return time.time() < expires + CLOCK_SLACK_S
+
+
 class Registry:
     """The fleet's keys in the world's store ``raw`` (a TCPStore client),
     signed and checked with ``secret``."""
 
-    def __init__(self, raw: Any, secret: JobSecret) -> None:
+    def __init__(self, raw: Any, secret: JobSecret, run: Optional[str] = None) -> None:
         self.raw, self.secret = raw, secret
+        self._run = run
+        self._beat_numbers: Dict[Tuple[str, int], int] = {}  # this process's own beats
+        self._highest: Dict[Tuple[str, int], int] = {}  # the highest signed beat seen, each
+        self._lock = threading.Lock()
+
+    # -- the run ---------------------------------------------------------------
+    def found(self) -> str:
+        """Draws this run's id and writes its signed record (the founder, once)."""
+        run, at = secrets.token_hex(16), time.time()
+        self.raw.set(self._key("run"), json.dumps({"run": run, "founded_at": at,
+                                                   "mac": self.secret.sign("run", run, repr(at))}))
+        self._run = run
+        return run
+
+    @property
+    def run(self) -> str:
+        """This run's id, read from the store's signed run record once
+        (raises :class:`NoRun` if it is missing or not this job's)."""
+        if self._run is None:
+            deadline = time.monotonic() + RUN_WAIT_S  # (a founder writes it as it starts)
+            while not self.raw.check([self._key("run")]) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            text = self._get(self._key("run"))
+            try:
+                found = json.loads(text) if text else None
+                ok = isinstance(found, dict) and self.secret.verify(
+                    found.get("mac"), "run", str(found.get("run")), repr(found.get("founded_at")))
+            except ValueError:
+                ok = False
+            if not ok:
+                if text:
+                    refuse("bad MAC", "a fleet run record that is not signed with this job's "
+                                      "secret", once=f"run:{text}")
+                raise NoRun("the fleet's store holds no run record of this job: is its founder "
+                            "(Fleet.start) this job's, and running?")
+            assert isinstance(found, dict)
+            self._run = str(found["run"])
+        return self._run
 
     # -- keys ------------------------------------------------------------------
     @staticmethod
@@ -139,13 +219,32 @@ class Registry:
         """``name -> rank`` of the published servers whose entries are signed."""
         out: Dict[str, int] = {}
         for name, entry in self._entries(self._get(self._key("roster"))).items():
-            if isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], int) \
-                    and self.secret.verify(entry[1], "roster", str(name), str(entry[0])):
+            if self._entry_ok(str(name), entry):
                 out[str(name)] = int(entry[0])
-            else:
-                refuse("bad MAC", f"a fleet roster entry for {str(name)[:60]!r} that is not "
-                                  "signed with this job's secret", once=f"roster:{name}:{entry}")
         return out
+
+    def _entry_ok(self, name: str, entry: Any, count: bool = True) -> bool:
+        """Whether a roster entry is signed for this run and not expired
+        (counted and logged if not, with ``count``)."""
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                and isinstance(entry[1], (int, float))):
+            reason = "malformed"
+        elif not self.secret.verify(entry[2], "roster", self.run, name, str(entry[0]),
+                                    repr(float(entry[1]))):
+            reason = "bad MAC"
+        elif not _fresh(float(entry[1])):
+            reason = "expired"
+        else:
+            return True
+        if count:
+            refuse(reason, f"a fleet roster entry for {name[:60]!r} that is not signed for "
+                           f"this run of this job, or expired", once=f"roster:{name}:{entry}")
+        return False
+
+    def _signed_entry(self, name: str, rank: int) -> List[Any]:
+        expires = time.time() + RECORD_TTL_S
+        return [rank, expires, self.secret.sign("roster", self.run, name, str(rank),
+                                                repr(expires))]
 
     def _update_roster(self, change: Mapping[str, Optional[int]],
                        check: Optional[Callable[[Dict[str, Any]], None]] = None) -> Dict[str, int]:
@@ -161,7 +260,7 @@ class Registry:
                 if rank is None:
                     entries.pop(name, None)
                 else:
-                    entries[name] = [rank, self.secret.sign("roster", name, str(rank))]
+                    entries[name] = self._signed_entry(name, rank)
             desired = json.dumps(entries, sort_keys=True)
             if desired == current or self.raw.compare_set(key, current, desired).decode() == desired:
                 self.raw.add(self._key("version"), 1)
@@ -177,16 +276,27 @@ class Registry:
         def check(entries: Dict[str, Any]) -> None:
             entry = entries.get(record.name)
             if isinstance(entry, list) and entry and entry[0] != record.rank and live is not None \
-                    and self.secret.verify(entry[1] if len(entry) > 1 else None, "roster",
-                                           record.name, str(entry[0])) \
+                    and self._entry_ok(record.name, entry, count=False) \
                     and live(record.name, int(entry[0])):
                 refuse("name taken", f"a publication of {record.name!r} (rank {record.rank}) "
                                      f"while rank {entry[0]} holds it")
                 raise NameTaken(f"the name {record.name!r} is published by a live server "
                                 f"(rank {entry[0]}); choose another name")
         check(self._entries(self._get(self._key("roster"))))
-        self.raw.set(self._key("server", record.name), record.to_json(self.secret))
+        self.raw.set(self._key("server", record.name), self._signed(record))
         self._update_roster({record.name: record.rank}, check)
+
+    def _signed(self, record: ServerRecord) -> str:
+        return record.to_json(self.secret, self.run, time.time() + RECORD_TTL_S)
+
+    def renew(self, record: ServerRecord) -> None:
+        """Signs ``record`` and its roster entry again with a new expiry (a
+        published server, every quarter of :data:`RECORD_TTL_S`), if its
+        incarnation is still the one listed."""
+        if self.roster().get(record.name) != record.rank:
+            return
+        self.raw.set(self._key("server", record.name), self._signed(record))
+        self._update_roster({record.name: record.rank})
 
     def unpublish(self, name: str, rank: int, state: str) -> None:
         """Removes ``name`` from the roster if its incarnation ``rank`` is the
@@ -195,14 +305,14 @@ class Registry:
         record = self.record(name)
         if record is not None and record.rank == rank:
             self.raw.set(self._key("server", name),
-                         ServerRecord(name, rank, record.experts, state,
-                                      record.published_at).to_json(self.secret))
+                         self._signed(ServerRecord(name, rank, record.experts, state,
+                                                   record.published_at)))
         if self.roster().get(name) == rank:
             self._update_roster({name: None})
 
     def record(self, name: str) -> Optional[ServerRecord]:
         text = self._get(self._key("server", name))
-        return ServerRecord.from_json(text, self.secret) if text else None
+        return ServerRecord.from_json(text, self.secret, self.run) if text else None
 
     def records(self, names: Sequence[str]) -> Dict[str, ServerRecord]:
         """The signed records of ``names`` (those whose record fails are left out)."""
@@ -213,7 +323,7 @@ class Registry:
         values = self.raw.multi_get(keys)
         out: Dict[str, ServerRecord] = {}
         for name, value in zip(names, values):
-            record = ServerRecord.from_json(bytes(value).decode(), self.secret)
+            record = ServerRecord.from_json(bytes(value).decode(), self.secret, self.run)
             if record is not None and record.name == name:
                 out[name] = record
         return out
@@ -223,54 +333,94 @@ class Registry:
         return self._key("beat", f"{name}-{rank}")
 
     def beat(self, name: str, rank: int) -> int:
-        """One heartbeat of the incarnation ``(name, rank)``."""
-        return int(self.raw.add(self._beat_key(name, rank), 1))
+        """One heartbeat of the incarnation ``(name, rank)``: its next number,
+        signed for this run."""
+        with self._lock:
+            n = self._beat_numbers.get((name, rank), 0) + 1
+            self._beat_numbers[(name, rank)] = n
+        self.raw.set(self._beat_key(name, rank),
+                     f"{n}:{self.secret.sign('beat', self.run, name, str(rank), str(n))}")
+        return n
+
+    def _beat_value(self, name: str, rank: int, value: Any) -> Optional[int]:
+        """A beat's number if it is signed for this run (else None, counted)."""
+        text = bytes(value).decode(errors="replace") if not isinstance(value, str) else value
+        number, _, mac = text.partition(":")
+        if number.isdigit() and self.secret.verify(mac, "beat", self.run, name, str(rank),
+                                                   number):
+            with self._lock:  # never lower than seen: a replayed older beat moves nothing
+                high = max(self._highest.get((name, rank), 0), int(number))
+                self._highest[(name, rank)] = high
+            return high
+        refuse("bad MAC", f"a heartbeat of {name[:60]!r} that is not signed for this run of "
+                          f"this job", once=f"beat:{name}:{rank}:{text[:200]}")
+        return None
 
     def published_beats(self, incarnations: Mapping[str, int]) -> Dict[str, int]:
-        """Beat counters of published incarnations, in one round trip (a
-        server beats before it publishes, so their keys exist)."""
+        """Beat numbers of published incarnations (signed ones), in one
+        round trip (a server beats before it publishes, so their keys exist)."""
         names = list(incarnations)
         if not names:
             return {}
         values = self.raw.multi_get([self._beat_key(n, incarnations[n]) for n in names])
-        return {n: int(bytes(v).decode()) for n, v in zip(names, values)}
+        out: Dict[str, int] = {}
+        for name, value in zip(names, values):
+            number = self._beat_value(name, incarnations[name], value)
+            if number is not None:
+                out[name] = number
+        return out
 
     def beats(self, incarnations: Mapping[str, int]) -> Dict[str, int]:
-        """Current beat counters of those incarnations (``name -> rank``)
-        that ever beat, by name."""
+        """Current signed beat numbers of those incarnations (``name ->
+        rank``) that ever beat, by name."""
         out: Dict[str, int] = {}
         for name, rank in incarnations.items():
             key = self._beat_key(name, rank)
             if self.raw.check([key]):
-                out[name] = int(self.raw.add(key, 0))
+                number = self._beat_value(name, rank, self.raw.get(key))
+                if number is not None:
+                    out[name] = number
         return out
 
     # -- eviction and stop -----------------------------------------------------
     def evict(self, name: str, rank: int) -> None:
+        expires = time.time() + MARK_TTL_S
         self.raw.set(self._key("evicted", name),
-                     f"{rank}:{self.secret.sign('evicted', name, str(rank))}")
+                     f"{rank}:{expires!r}:"
+                     f"{self.secret.sign('evicted', self.run, name, str(rank), repr(expires))}")
 
     def evicted(self, name: str, rank: int) -> bool:
         text = self._get(self._key("evicted", name))
         if text is None:
             return False
-        mark, _, mac = text.partition(":")
-        if not self.secret.verify(mac, "evicted", name, mark):
-            refuse("bad MAC", f"an eviction mark for {name!r} that is not signed with this "
-                              "job's secret", once=f"evicted:{name}:{text}")
+        mark, _, rest = text.partition(":")
+        expires, _, mac = rest.partition(":")
+        if not self.secret.verify(mac, "evicted", self.run, name, mark, expires):
+            refuse("bad MAC", f"an eviction mark for {name!r} that is not signed for this run "
+                              f"of this job", once=f"evicted:{name}:{text}")
+            return False
+        if not _fresh(_number(expires)):
+            refuse("expired", f"an expired eviction mark for {name!r}",
+                   once=f"evicted:{name}:{text}")
             return False
         return mark == str(rank)
 
     def request_stop(self) -> None:
-        self.raw.set(self._key("stop"), self.secret.sign("stop"))
+        expires = time.time() + MARK_TTL_S
+        self.raw.set(self._key("stop"),
+                     f"{expires!r}:{self.secret.sign('stop', self.run, repr(expires))}")
 
     def stop_requested(self) -> bool:
         text = self._get(self._key("stop"))
         if text is None:
             return False
-        if not self.secret.verify(text, "stop"):
-            refuse("bad MAC", "a fleet stop request that is not signed with this job's secret",
+        expires, _, mac = text.partition(":")
+        if not self.secret.verify(mac, "stop", self.run, expires):
+            refuse("bad MAC", "a fleet stop request that is not signed for this run of this job",
                    once=f"stop:{text}")
+            return False
+        if not _fresh(_number(expires)):
+            refuse("expired", "an expired fleet stop request", once=f"stop:{text}")
             return False
         return True
 
@@ -288,7 +438,7 @@ class BeatWatch:
         with self._lock:
             for name, value in counters.items():
                 old = self._seen.get(name)
-                if old is None or old[0] != value:
+                if old is None or value > old[0]:  # a replayed beat is an older number
                     self._seen[name] = (value, now)
 
     def alive(self, name: str, now: Optional[float] = None) -> bool:
@@ -322,5 +472,5 @@ def observe_alive(registry: Registry, incarnations: Mapping[str, int], window: f
     while time.monotonic() < deadline and len(moved) < len(first):
         time.sleep(min(0.05, window))
         now = registry.beats({n: incarnations[n] for n in first})
-        moved |= {n for n, v in now.items() if v != first[n]}
+        moved |= {n for n, v in now.items() if v > first[n]}
     return [n for n in incarnations if n not in first or n in moved]

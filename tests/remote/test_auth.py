@@ -33,7 +33,7 @@ def secret() -> JobSecret:
 
 @pytest.fixture
 def gate(secret: JobSecret) -> Gate:
-    g = Gate(max_clock_skew=5.0)
+    g = Gate(max_clock_skew=5.0, started=0.0)  # (tests with a clock of their own)
     g.admit([secret])
     return g
 
@@ -298,25 +298,66 @@ def test_a_rejected_reply_is_counted_and_logged_with_its_reason(
     assert any(other in r.getMessage() for r in caplog.records)
 
 
-def test_idle_sessions_are_forgotten_only_past_the_clock_skew(
+def test_idle_sessions_are_forgotten_past_the_clock_skew(
         secret: JobSecret, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At MAX_SESSIONS live sessions a new one is taken only once older ones
-    have been idle longer than max_clock_skew (5 s here): their requests
-    are stale by then, so forgetting their replay windows lets no replay
-    in."""
+    """Sessions idle longer than max_clock_skew (5 s here) are forgotten
+    first: their requests are stale by then, so forgetting their replay
+    windows lets no replay in."""
     clock = [1_000_000.0]
     monkeypatch.setattr(auth.time, "time", lambda: clock[0])
     monkeypatch.setattr(auth, "MAX_SESSIONS", 2)
     first = sealed(Session(secret))[0]
     gate.open(first, "srv")
     gate.open(sealed(Session(secret))[0], "srv")
-    clock[0] += 5.0  # idle exactly max_clock_skew: still live
-    with pytest.raises(Refused, match="too many sessions"):
-        gate.open(sealed(Session(secret))[0], "srv")
-    clock[0] += 0.5
+    clock[0] += 5.5
     gate.open(sealed(Session(secret))[0], "srv")  # the two idle ones forgotten
     with pytest.raises(Refused, match="stale"):
         gate.open(first, "srv")  # a forgotten session's request: stale, not replayable
+
+
+def test_a_restarted_server_takes_no_request_sent_before_it_started(
+        secret: JobSecret) -> None:
+    """(issue 45) A request captured before a server restarted, replayed to
+    the new process within max_clock_skew, is refused (the floor starts at
+    the gate's start); one sent after the start is served."""
+    captured = sealed(Session(secret))[0]
+    time.sleep(0.01)
+    restarted = Gate(max_clock_skew=300.0)
+    restarted.admit([secret])
+    stale = security_stats()["refused"].get("stale", 0)
+    with pytest.raises(Refused, match="stale"):
+        restarted.open(captured, "srv")
+    assert security_stats()["refused"]["stale"] == stale + 1
+    time.sleep(0.01)
+    restarted.open(sealed(Session(secret))[0], "srv")
+
+
+def test_a_client_that_fills_the_session_table_locks_nobody_out(
+        secret: JobSecret, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(issue 45) One member opens sessions without end: the least recently
+    used go, a busy client keeps being served at once, and no request of an
+    evicted session opens a window again (the floor)."""
+    clock = [2_000_000.0]
+    monkeypatch.setattr(auth.time, "time", lambda: clock[0])
+    monkeypatch.setattr(auth, "MAX_SESSIONS", 64)
+    busy = Session(secret)
+    gate.open(sealed(busy)[0], "srv")
+    flood = []
+    for k in range(1000):  # a flood of one-request sessions, the busy client now and then
+        clock[0] += 0.001
+        frame = sealed(Session(secret))[0]
+        gate.open(frame, "srv")
+        flood.append(frame)
+        if k % 16 == 0:
+            gate.open(sealed(busy)[0], "srv")  # served at once, every time
+    clock[0] += 0.001
+    gate.open(sealed(Session(secret))[0], "srv")  # a second client, new: served at once
+    stale = security_stats()["refused"].get("stale", 0)
+    for frame in flood[:10]:  # evicted sessions: their requests stay refused
+        with pytest.raises(Refused, match="stale"):
+            gate.open(frame, "srv")
+    assert security_stats()["refused"]["stale"] == stale + 10
+    assert len(gate._windows) <= 64
 
 
 def test_a_refusal_has_its_code_and_says_its_detail_or_else_its_help() -> None:

@@ -53,6 +53,7 @@ def store() -> Iterator[Any]:
 @pytest.mark.timeout(30)
 def test_registry_roster_beats_and_liveness(store: Any) -> None:
     registry = Registry(store, SECRET)
+    registry.found()
     assert registry.roster() == {} and registry.version() == 0
 
     def publish(k: int) -> None:
@@ -104,7 +105,7 @@ def test_registry_roster_beats_and_liveness(store: Any) -> None:
 
     # Entries are signed with the job's secret: what is not is not read (and is counted once).
     refused = security_stats()["refused"].get("bad MAC", 0)
-    stranger = Registry(store, JobSecret.generate())
+    stranger = Registry(store, JobSecret.generate(), run="0" * 32)
     assert stranger.roster() == {} and stranger.record("s1") is None
     assert stranger.records(["s1", "s2"]) == {}
     assert not stranger.stop_requested() and not stranger.evicted("s1", 2)
@@ -311,6 +312,7 @@ def test_fleet_admits_only_servers_that_prove_the_secret_and_rank(store: Any,
     server = ExpertServer({"adm_unit_e": nn.Linear(2, 2)})  # serves SECRET's job here
     transport = _LocalTransport(dead=[])
     registry = Registry(store, SECRET)
+    registry.found()
     other = JobSecret.generate()
     fleets: List[Fleet] = []
     try:
@@ -332,11 +334,11 @@ def test_fleet_admits_only_servers_that_prove_the_secret_and_rank(store: Any,
 
         # another job's fleet: it reads only what its own secret signed, and the
         # server here cannot open its challenge (a refusal): never admitted
-        stranger = Registry(store, other)
+        theirs = Fleet(store, "unit_other", 2, founder=True, reap=False, poll=0.02,
+                       transport=transport, secret=other)  # (a run of its own, in this store)
+        stranger = Registry(store, other, run=theirs.registry.run)
         stranger.beat("srv_stranger", 5)
         stranger.publish(ServerRecord("srv_stranger", 5, {"adm_unit_e": "stateless"}))
-        theirs = Fleet(store, "unit_other", 2, founder=False, reap=False, poll=0.02,
-                       transport=transport, secret=other)
         fleets.append(theirs)
         deadline = time.monotonic() + 10.0
         while "refused" not in _events(theirs, "srv_stranger") and time.monotonic() < deadline:

@@ -49,10 +49,16 @@ def test_serve_engine_ray_sigterm_and_kill(ray_world: Dict[str, Any], tmp_path: 
 
     transport = ray_world["transport"]
     address = ray.get_runtime_context().gcs_address
-    servers = [_serve(n, address, tmp_path / f"{n}.log") for n in ("cli-t", "cli-k")]
+    names = ("cli-t", "cli-k", "cli-d")
+    servers = [_serve(n, address, tmp_path / f"{n}.log") for n in names]
     try:
-        for name, process in zip(("cli-t", "cli-k"), servers):
+        for name, process in zip(names, servers):
             _wait_until_serving(process, tmp_path / f"{name}.log")
+        # (issue 45) its actor killed under it: serve notices, says so, exits 1
+        ray.kill(ray.get_actor("cli-d", namespace=transport.namespace))
+        assert servers[2].wait(timeout=60) == 1
+        said = (tmp_path / "cli-d.log").read_text()
+        assert "ERROR" in said and "the Ray actor 'cli-d' died" in said, said
         x = torch.randn(2, 4, requires_grad=True)
         for name in ("cli-t", "cli-k"):
             expert = RemoteExpert(name, "lin", transport=transport, forward_timeout=10.0)

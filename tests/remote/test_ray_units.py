@@ -145,7 +145,7 @@ def test_ray_transport_refuses_a_ray_without_token_auth(ray_without_token: None)
     server = ExpertServer({"ray_unit_auth_lin": nn.Linear(2, 2)})
     try:
         t, actor = RayTransport(), _FakeActor("srv")
-        t.use_handle("srv", actor)
+        t.use_handle("srv", actor, started=True)
         with pytest.raises(TransportSendError) as info:
             t.call("srv", Frame(b""), 1.0)
         _names_the_remedy(str(info.value))
@@ -156,7 +156,7 @@ def test_ray_transport_refuses_a_ray_without_token_auth(ray_without_token: None)
 
         # opted out: the same calls go through (to a fake actor serving in-process)
         insecure, actor = RayTransport(allow_unauthenticated=True), _FakeActor("srv")
-        insecure.use_handle("srv", actor)
+        insecure.use_handle("srv", actor, started=True)
         status, info_ = ask("srv", {"op": "info"}, insecure)
         assert status == "ok" and "ray_unit_auth_lin" in info_["experts"], info_
         with pytest.raises(RemoteExpertError, match="no operation 'anything'"):
@@ -214,10 +214,11 @@ def test_auto_transport_without_any_engine(run_python) -> None:
 
 def test_a_private_copy_of_the_secret_is_removed_once_its_actors_have_read_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A driver whose secret is not in a file writes a private copy for its
-    actors; it goes (with its directory) once the last actor started from it
-    has read it or failed, not at exit only: a process killed after its
-    servers started left one per run behind."""
+    """A driver whose secret is not in a file writes a private copy for each
+    actor (which removes its own once it has read it, so a driver killed
+    with SIGKILL leaves none behind: issue 45); the driver removes a copy
+    too once its actor started or failed, and the directory with the last,
+    not at exit only."""
     import os
     import stat
 
@@ -228,14 +229,15 @@ def test_a_private_copy_of_the_secret_is_removed_once_its_actors_have_read_it(
     previous = set_job_secret(JobSecret.generate())
     try:
         first, secret, private = ray_server._secret_source(None)
-        second, _, again = ray_server._secret_source(None)  # another actor, the same copy
-        assert first == second == private == again
+        second, _, again = ray_server._secret_source(None)  # another actor: its own copy
+        assert first == private and second == again and first != second
         folder = os.path.dirname(first)
+        assert os.path.dirname(second) == folder
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-        assert JobSecret.from_file(first) == secret
+        assert JobSecret.from_file(first) == secret == JobSecret.from_file(second)
         ray_server._read_private_copy(first)
-        assert os.path.exists(first)  # the second actor has not read it yet
-        ray_server._read_private_copy(first)
+        assert not os.path.exists(first) and os.path.exists(second)  # not read yet
+        ray_server._read_private_copy(second)
         assert not os.path.exists(folder)
         ray_server._read_private_copy(first)  # once more: nothing left to do
         ray_server._read_private_copy(None)

@@ -23,6 +23,7 @@ from torch import nn
 
 import remote_experts as rx
 from moe_autograd.remote import (ExpertServer, Fleet, JobSecret, RemoteAuthError, RemoteCall,
+                                 RemoteExpertError,
                                  RemoteExpert, security_stats)
 from moe_autograd.remote import auth, endpoint, rpc_engine, wire
 from moe_autograd.remote.auth import Session
@@ -158,7 +159,21 @@ def test_an_outsider_cannot_change_an_experts_weights(backend: Backend,
     monkeypatch.setattr(auth, "_logged", {})  # earlier tests' lines do not hold this one back
     member = backend.expert("srv-a", "opt_lin" if backend.name == "rpc" else "lin")
     weights = member.remote_state_dict()
-    outsider = backend.expert("srv-a", member.name, secret=JobSecret.generate())
+    transport = backend.transport
+    if backend.name == "ray":  # an outsider's own client skips our identity check (ours
+        import ray             # refuses to call an actor not identified for its job at all)
+
+        from moe_autograd.remote import RayTransport
+
+        transport = RayTransport(namespace=backend.transport.namespace, timeout=30.0)
+        transport.use_handle("srv-a", ray.get_actor("srv-a", namespace=transport.namespace),
+                             started=True)
+        with pytest.raises(RemoteExpertError, match="was not called: its identity record is "
+                                                    "not signed with this job's secret"):
+            backend.expert("srv-a", member.name, secret=JobSecret.generate())(
+                torch.randn(2, rx.WIDTH))
+    outsider = backend.expert("srv-a", member.name, secret=JobSecret.generate(),
+                              transport=transport)
     zeros = {k: torch.zeros_like(v) for k, v in weights.items()}
     attempts = [lambda: outsider.load_remote_state_dict(zeros), outsider.zero_grad,
                 outsider.step, outsider.remote_state_dict,
@@ -286,7 +301,8 @@ def store() -> Any:
 
 
 def test_an_outsider_cannot_publish_or_take_a_name(store: Any) -> None:
-    job, outsider = Registry(store, SECRET), Registry(store, JobSecret.generate())
+    job, outsider = Registry(store, SECRET), Registry(store, JobSecret.generate(), run="0" * 32)
+    job.found()
     before = sum(security_stats()["refused"].values())
     outsider.publish(ServerRecord("impostor", 9, {"e": "stateless"}))
     assert job.roster() == {} and job.record("impostor") is None
@@ -300,12 +316,74 @@ def test_an_outsider_cannot_publish_or_take_a_name(store: Any) -> None:
     assert sum(security_stats()["refused"].values()) > before
 
 
+def test_an_earlier_runs_records_replayed_into_a_new_run_are_refused(store: Any) -> None:
+    """Every signed fleet record names its run (issue 45): a copy of an
+    earlier run's roster, record, eviction mark, stop and beats (same
+    secret), written into a new run's store, is refused and counted; the new
+    run's servers stay listed, unevicted and running."""
+    from moe_autograd.remote.registry import PREFIX
+
+    old = Registry(store, SECRET)
+    old.found()
+    old.beat("srv_a", 3)
+    old.publish(ServerRecord("srv_a", 3, {"e": "stateless"}))
+    for _ in range(5):
+        old.beat("srv_b", 4)
+    old.evict("srv_b", 4)
+    old.request_stop()
+    captured = {key: store.get(PREFIX + key) for key in
+                ("roster", "server/srv_a", "evicted/srv_b", "stop", "beat/srv_b-4")}
+    fresh = _fresh_store()
+    new = Registry(fresh, SECRET)
+    new.found()
+    new.beat("srv_b", 4)
+    new.publish(ServerRecord("srv_b", 4, {"e": "stateless"}))
+    before = sum(security_stats()["refused"].values())
+    for key, value in captured.items():
+        if key != "roster":
+            fresh.set(PREFIX + key, value)
+    assert new.record("srv_a") is None and not new.stop_requested()
+    assert not new.evicted("srv_b", 4) and new.beats({"srv_b": 4}) == {}
+    assert new.roster() == {"srv_b": 4}
+    fresh.set(PREFIX + "roster", captured["roster"])  # the old run's roster, whole
+    assert new.roster() == {}
+    assert sum(security_stats()["refused"].values()) >= before + 5
+    # a replayed older beat never counts as a move: only a higher signed number does
+    beat = new.beat("srv_b", 4)
+    high = new.beats({"srv_b": 4})["srv_b"]
+    assert high == beat and new.beats({"srv_b": 4})["srv_b"] == high
+
+
+def test_signed_marks_expire(store: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from moe_autograd.remote import registry as registry_module
+
+    job = Registry(store, SECRET)
+    job.found()
+    monkeypatch.setattr(registry_module, "MARK_TTL_S", -2 * registry_module.CLOCK_SLACK_S)
+    expired = security_stats()["refused"].get("expired", 0)
+    job.request_stop()
+    job.evict("srv_x", 3)
+    assert not job.stop_requested() and not job.evicted("srv_x", 3)
+    assert security_stats()["refused"].get("expired", 0) == expired + 2
+
+
+def _fresh_store() -> Any:
+    import datetime
+
+    import torch.distributed as dist
+
+    from moe_autograd.remote.loopback import free_port
+    return dist.TCPStore("127.0.0.1", free_port(), None, True, datetime.timedelta(seconds=10),
+                         wait_for_workers=False)
+
+
 def test_a_fleet_admits_only_servers_that_prove_the_secret(store: Any) -> None:
     """A signed record is not enough: the worker named in it must answer the
     fleet's sealed challenge with a sealed reply for the published rank."""
     from moe_autograd.remote.server import host_info, set_host_info
 
     job = Registry(store, SECRET)
+    job.found()
     server = ExpertServer({"adm_e": nn.Linear(2, 2)})
     saved = host_info()
     set_host_info(rank=3)
@@ -365,3 +443,93 @@ def test_a_stranger_without_the_clusters_token_is_refused_at_connect(ray_world: 
                           timeout=60)
     assert "REFUSED" in done.stdout, (done.stdout, done.stderr[-500:])
     assert ray_token_env()["RAY_AUTH_MODE"] == "token"
+
+
+# -- Ray: never call what we have not identified (issue 45) ---------------------------------
+class _Touches:
+    """A reply whose unpickling touches a file (a harmless stand-in for code)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> Any:
+        return (Path.touch, (Path(self.path),))
+
+
+def test_an_impostor_that_takes_a_servers_name_is_never_called(ray_world: Dict[str, Any],
+                                                               tmp_path: Path) -> None:
+    """Ray unpickles an actor's reply before any check of ours, so a trainer
+    must not call an actor it has not identified. A server's actor publishes
+    its name bound to its actor ID, signed with the job's secret; an actor
+    that takes the name of a killed server (a token holder can, in 0.17 s)
+    has another actor ID: a static RemoteExpert's call after the reconnect is
+    refused before anything is sent (counted, logged), no code of the
+    impostor's runs here, and a RayFleet never asks it either. The step
+    after the attempt, on a live server, is still exact."""
+    import ray
+
+    from moe_autograd.remote import RayFleet, RayTransport
+    from moe_autograd.remote.ray_server import RayExpertServer
+
+    namespace = ray_world["transport"].namespace
+    marker = tmp_path / "impostor-code-ran"
+
+    @ray.remote(num_cpus=0)
+    class Impostor:
+        def handle(self, head: Any, blob: Any) -> Any:
+            return _Touches(str(marker))
+
+    victim = RayExpertServer("srv-victim", "remote_experts:setup_servers", namespace=namespace,
+                             ready_timeout=240.0)
+    transport = RayTransport(namespace=namespace, timeout=30.0)
+    expert = RemoteExpert("srv-victim", "lin", transport=transport, forward_timeout=30.0)
+    x = torch.randn(2, rx.WIDTH)
+    expert(x)  # identified, called
+    victim.kill()
+    deadline = time.monotonic() + 60.0
+    impostor = None
+    while impostor is None and time.monotonic() < deadline:  # the name is free once Ray says so
+        try:
+            impostor = Impostor.options(name="srv-victim", namespace=namespace).remote()
+        except ValueError:
+            time.sleep(0.2)
+    assert impostor is not None
+    refused = security_stats()["refused"].get("unidentified", 0)
+    try:
+        for _ in range(50):  # the first tries may still meet the dead actor's handle
+            try:
+                expert(x)
+            except RemoteExpertError as error:
+                if "was not called" in str(error):
+                    assert "the name's signed identity is actor" in str(error), error
+                    break
+                assert "dead or unreachable" in str(error), error
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the impostor was called, or never refused")
+        # a name that never had an expert server: no identity record at all
+        stranger = Impostor.options(name="srv-stranger", namespace=namespace).remote()
+        with pytest.raises(RemoteExpertError, match="published no identity record"):
+            RemoteExpert("srv-stranger", "lin", transport=transport, forward_timeout=30.0)(x)
+        fleet = RayFleet(namespace=namespace, poll=0.05)
+        try:
+            deadline = time.monotonic() + 30.0
+            while time.monotonic() < deadline and not {"srv-victim", "srv-stranger"} <= {
+                    e.worker for e in fleet.events if e.kind == "refused"}:
+                fleet.refresh()
+                time.sleep(0.1)
+            kinds = {(e.kind, e.worker) for e in fleet.events}
+            assert ("refused", "srv-victim") in kinds and ("refused", "srv-stranger") in kinds
+            assert ("joined", "srv-victim") not in kinds
+        finally:
+            fleet.shutdown(timeout=5.0)
+        assert not marker.exists()  # nothing of theirs was ever deserialised here
+        assert security_stats()["refused"]["unidentified"] >= refused + 2
+        after = RemoteExpert(ray_world["servers"][0].name, "lin",  # the step after: exact
+                             transport=ray_world["transport"])
+        state = after.remote_state_dict()
+        assert torch.equal(after(x), nn.functional.linear(x, state["weight"], state["bias"]))
+    finally:
+        for actor in (impostor, locals().get("stranger")):
+            if actor is not None:
+                ray.kill(actor)
