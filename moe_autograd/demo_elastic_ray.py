@@ -20,22 +20,34 @@ torch RPC's dynamic world. What it shows, on one machine with no arguments:
    :class:`~moe_autograd.remote.RayFleet` resolves from the cluster's named
    actors at every call: ``server_a`` on ``node_a`` hosts expert0 and
    expert1, ``server_b`` on ``node_b`` expert2 and expert3.
-3. During training: ``node_b`` is removed without grace (its raylet and
-   worker processes SIGKILLed, as when a machine loses power): calls to
+3. Every server keeps its experts' state (weights, Adam's state, steps) in
+   a folder of its own under ``--state-dir`` (default: ``state`` in the
+   cluster's private directory, removed at exit), saved every
+   ``--save-every`` optimizer steps and at a clean leave.
+   During training: ``node_b`` is removed without grace (its raylet and
+   worker processes SIGKILLed, as when a machine loses power; the demo reads
+   its experts' step counts just before): calls to
    expert2 and expert3 are masked within their deadline (the actor answers
    for about a second more, then calls to it fail or time out; a call whose
    backward it no longer answers is a constant, ``backward_k_min=0``; Ray's
    health checks declare the node dead some seconds later, about 15 s with
    Ray's defaults, and remove its names). ``node_c`` joins with ``server_c``
-   (*replacement* experts 2 and 3, fresh weights), used from the step after
-   its join was seen, and ``server_d`` (replicas of experts 0 and 1); once
-   both serve, ``server_a`` leaves with drain
+   (*replacement* experts 2 and 3 on ``server_b``'s state folder: they
+   resume from its newest snapshots, which the demo names with their steps),
+   used from the step after its join was seen: with no replica at its
+   version left, the trainer goes on from their resumed state (a WARNING
+   says the steps lost; the demo says them against the killed server's),
+   and ``server_d`` (replicas of experts 0 and 1, on a folder of their own:
+   fresh weights, which the trainer brings to ``server_a``'s state at its
+   next call, copying it from ``server_a``); then
+   ``server_a`` leaves with drain
    (:meth:`~moe_autograd.remote.RayExpertServer.leave`: no longer chosen,
    calls in flight and held states served, then ended) and ``node_a``
    leaves the cluster.
 4. The report lists every churn event with its step (the fleet's own
    events: ``joined``, ``left``, ``lost``, ``gone``), the masked calls and
-   median step per phase, and whether accuracy reached its target.
+   median step per phase, the training loss just before the kill against
+   just after the replacement, and whether accuracy reached its target.
 
 Pacing: the kill is due at 25 % of ``--steps``, node_c's join at 45 %,
 server_a's leave at 65 % once server_c served a call and server_d serves;
@@ -73,6 +85,7 @@ nodes if this process dies before that.
 import argparse
 import contextlib
 import functools
+import os
 import queue
 import re
 import signal
@@ -85,17 +98,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .demo_task import (ChurnLog, Expert, Model, RegionTask, evaluate, print_churn_report,
-                        train_step)
+from .demo_task import (ChurnLog, Expert, Model, RegionTask, resumed_steps, evaluate,
+                        loss_at_replacement, print_churn_report, said_steps, steps_of, train_step)
 
 __all__ = ["run", "make_experts", "NAMESPACE"]
 
 NAMESPACE = "moe_autograd_demo"  # the Ray namespace of the demo's servers
-LAYOUT: Dict[str, Tuple[str, Tuple[str, ...], int]] = {  # server -> (node, experts, seed)
-    "server_a": ("node_a", ("expert0", "expert1"), 1),
-    "server_b": ("node_b", ("expert2", "expert3"), 2),
-    "server_c": ("node_c", ("expert2", "expert3"), 3),  # replaces server_b's (fresh weights)
-    "server_d": ("node_c", ("expert0", "expert1"), 4),  # replicas of server_a's
+#: server -> (node, experts, seed, state folder under the state directory)
+LAYOUT: Dict[str, Tuple[str, Tuple[str, ...], int, str]] = {
+    "server_a": ("node_a", ("expert0", "expert1"), 1, "server_a"),
+    "server_b": ("node_b", ("expert2", "expert3"), 2, "server_b"),
+    # replaces server_b's experts: on its folder, resumed from their snapshots
+    "server_c": ("node_c", ("expert2", "expert3"), 3, "server_b"),
+    # replicas of server_a's (a live server_a holds its folder: one of their own)
+    "server_d": ("node_c", ("expert0", "expert1"), 4, "server_d"),
 }
 
 
@@ -115,10 +131,11 @@ class _RayDemo(ChurnLog):
     """The cluster, its nodes and servers, and the demo's log. Its methods
     run on the main thread (see the module's threads)."""
 
-    def __init__(self, args: argparse.Namespace, here: Any) -> None:
+    def __init__(self, args: argparse.Namespace, here: Any, state_dir: str) -> None:
         super().__init__(args.quiet)
         self.args = args
         self.here = here  # the LocalRay: its cluster, its node arguments, the secret file
+        self.state_dir = state_dir  # each server's folder is state_dir/<LAYOUT's folder>
         self.cluster = here.cluster
         self.nodes: Dict[str, Any] = {}
         self.servers: Dict[str, Any] = {}
@@ -133,7 +150,7 @@ class _RayDemo(ChurnLog):
         from .remote import RayExpertServer
 
         a = self.args
-        node, experts, seed = LAYOUT[server]
+        node, experts, seed, folder = LAYOUT[server]
         started = time.monotonic()
         if node not in self.nodes:
             self.nodes[node] = self.cluster.add_node(**self.here.node_args(
@@ -144,7 +161,8 @@ class _RayDemo(ChurnLog):
             server, functools.partial(make_experts, experts, seed, a.width, a.latency),
             namespace=NAMESPACE, resources={_resource(server): 1}, num_cpus=0,
             ready_timeout=a.ray_timeout, wait=False, secret_file=self.here.secret_file,
-            optimizer=functools.partial(torch.optim.Adam, lr=a.lr))
+            optimizer=functools.partial(torch.optim.Adam, lr=a.lr),
+            state_dir=os.path.join(self.state_dir, folder), save_every=a.save_every)
 
         def check() -> None:
             try:
@@ -155,6 +173,27 @@ class _RayDemo(ChurnLog):
 
         self._thread(check, f"demo-ready-{server}")
         return f"{time.monotonic() - started:.1f} s to start it"
+
+    def snapshots(self, server: str, secret: Any) -> str:
+        """Where ``server``'s experts resume from: the newest snapshot of each
+        in its state folder that checks (what its server will load), with
+        its step, or fresh weights."""
+        from .remote.durable import SnapshotError, read_snapshot, snapshot_paths
+
+        _, experts, _, folder = LAYOUT[server]
+        said = []
+        for expert in experts:
+            for _, path in snapshot_paths(os.path.join(self.state_dir, folder), expert):
+                try:
+                    _, state = read_snapshot(path, secret)
+                except SnapshotError:
+                    continue
+                said.append(f"{expert} from {os.path.relpath(path, self.state_dir)} (step "
+                            f"{state.steps})")
+                break
+            else:
+                said.append(f"{expert} from fresh weights (no snapshot)")
+        return ", ".join(said)
 
     def kill_node(self, node: str) -> None:
         """Removes ``node`` without grace (SIGKILL of its raylet and workers)."""
@@ -289,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
         print("starting a local Ray cluster (a head node, node_a and node_b) ...", flush=True)
         here = ray_up.enter_context(_local_cluster(secret))
         _catch_sigterm()
-        demo = _RayDemo(args, here)
+        state_dir = os.path.abspath(args.state_dir) if args.state_dir \
+            else os.path.join(here.dir, "state")  # (removed with the private directory)
+        demo = _RayDemo(args, here, state_dir)
         for server in ("server_a", "server_b"):
             demo.start_server(server)
         fleet = RayFleet(NAMESPACE, poll=0.2, suspect_for=2.0, info_timeout=2.0)
@@ -309,10 +350,11 @@ def run(args: argparse.Namespace) -> int:
                       allow_zero_outputs=True, detect_anomalies=True)  # (a constant call)
         print(f"model: embed -> MixtureOfExperts({len(local)} local + {len(remote)} remote "
               f"experts by name, k=2) -> head; at least {args.steps} steps", flush=True)
-        result = _train(demo, fleet, model, task)
+        result = _train(demo, fleet, model, task, secret, remote)
         loss, acc = evaluate(model, task)
         reached = print_churn_report(demo, result["times"], result["masked"], result["phases"],
                                      loss, acc, args.target, model.moe.expert_stats.totals())
+        print(loss_at_replacement(result["losses"], result["kill_at"], result["resumed_at"]))
         return 0 if reached and not result["gave_up"] else 1
     except KeyboardInterrupt:
         interrupted = True
@@ -332,9 +374,12 @@ def run(args: argparse.Namespace) -> int:
             sys.stdout = stdout
 
 
-def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[str, Any]:
+def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask, secret: Any,
+           remote: List[Any]) -> Dict[str, Any]:
     """Trains through the churn (see the module's pacing); returns step
-    times, masked calls per step, the phases and whether a wait gave up."""
+    times, masked calls and losses per step, the phases, the kill's step and
+    the first step served by the replacement from its start, and whether a
+    wait gave up. ``secret``: the job's (it checks the snapshots named)."""
     args = demo.args
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     book = model.moe.expert_stats
@@ -344,26 +389,34 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
     leave_done: Optional[threading.Event] = None
     times: List[float] = []
     masked: List[int] = []
+    losses: List[float] = []
+    killed_at: Dict[str, Optional[int]] = {}  # expert2/3's steps when node_b was killed
+    adopted = False
+    seen: set = set()  # the servers the fleet resolved at the step before
     gave_up = ""
     step = 0
     while step < args.steps or stage != "done":
         demo.step = step
         waited = time.monotonic() - stage_since
         if stage == "before the kill" and step >= kill_at:
+            kill_at = step
+            killed_at = steps_of(fleet, "server_b", ["expert2", "expert3"])
             demo.kill_node("node_b")
-            demo.note("kill node_b (SIGKILL of its raylet and workers): server_b is gone, "
-                      "expert2 and expert3 have no server now")
+            demo.note(f"kill node_b (SIGKILL of its raylet and workers; "
+                      f"{said_steps(killed_at)}): server_b is gone, expert2 and expert3 have "
+                      "no server now")
             stage, stage_since = "killed", time.monotonic()
         elif stage == "killed" and step >= replace_at:
+            resumes = demo.snapshots("server_c", secret)
             took = demo.start_server("server_c")
             took_d = demo.start_server("server_d")
-            demo.note(f"node_c joins with server_c (replacement expert2 and expert3, fresh "
-                      f"weights; {took}) and server_d (replicas of expert0 and expert1; "
-                      f"{took_d})")
+            demo.note(f"node_c joins with server_c (replacement expert2 and expert3 on "
+                      f"server_b's state folder, resumed: {resumes}; {took}) and server_d "
+                      f"(replicas of expert0 and expert1, fresh weights; {took_d})")
             stage, stage_since = "replacing", time.monotonic()
         elif stage == "replacing" and step >= replica_at \
                 and fleet.first_served("server_c") is not None \
-                and "server_d" in fleet.servers():
+                and "server_d" in seen:  # the trainer called it: in sync by now
             leave_done = demo.leave("server_a")
             demo.note("server_a leaves with drain (server_d serves its experts)")
             stage, stage_since = "leaving", time.monotonic()
@@ -377,15 +430,21 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
                        f"({demo.failed or 'no failure reported'})")
             demo.note(f"gave up waiting: {gave_up}")
             stage = "done"
+        if not adopted and "server_c" in fleet.servers():
+            adopted = True  # (the trainer goes on from it: no replica at its version lives)
+            demo.note("server_c serves expert2 and expert3 as they resumed: "
+                      + resumed_steps(fleet, remote[2:], "server_c", killed_at))
+        seen = set(fleet.servers())
         before = book.totals()
         seconds, _, _, loss = train_step(model, opt, task, args.batch)
         times.append(seconds)
         after = book.totals()
         masked.append(int(after["failures"] + after["timeouts"]
                           - before["failures"] - before["timeouts"]))
+        losses.append(loss.item())
         demo.take_notes()
         demo.follow(fleet, step)
-        demo.progress(step, args.steps, loss.item())
+        demo.progress(step, args.steps, losses[-1])
         step += 1
     end = len(times)
     c_join = demo.first("server_c joined")
@@ -396,5 +455,7 @@ def _train(demo: _RayDemo, fleet: Any, model: Model, task: RegionTask) -> Dict[s
               ("no server for expert2/3", kill_at, c_from),
               ("after the replacement", c_from, leave_from),
               ("server_a leaving/gone", leave_from, end)]
+    served = demo.first("server_c served its first call")
     return {"times": times, "masked": masked, "phases": [p for p in phases if p[2] > p[1]],
-            "gave_up": gave_up}
+            "gave_up": gave_up, "losses": losses, "kill_at": kill_at,
+            "resumed_at": served + 1 if served >= 0 else end}

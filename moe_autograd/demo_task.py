@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from .moe import MixtureOfExperts
 
 __all__ = ["RegionTask", "Expert", "Model", "train_step", "evaluate", "ChurnLog",
-           "print_churn_report"]
+           "print_churn_report", "loss_at_replacement", "steps_of", "said_steps",
+           "resumed_steps"]
 
 
 # -- the task ------------------------------------------------------------------
@@ -186,3 +187,63 @@ def print_churn_report(log: ChurnLog, times: Sequence[float], masked: Sequence[i
     print(f"absorbed      {totals['failures']} failures and {totals['timeouts']} timeouts over "
           f"{totals['calls']} expert calls; training never stopped ({len(times)} steps)")
     return reached
+
+
+def loss_at_replacement(losses: Sequence[float], kill_at: int, resumed_at: int,
+                        window: int = 10) -> str:
+    """The report's line on the loss at a replacement: the mean training loss
+    of the ``window`` steps before the kill (``kill_at``: the first step
+    without the killed server) against that of the ``window`` steps from
+    ``resumed_at`` (the first step the replacement served from its start),
+    and their ratio. A replacement that resumed its experts' state continues
+    where they were (a ratio near or below 1, training goes on); one that
+    started from fresh weights would show a jump."""
+    before = list(losses[max(0, kill_at - window):kill_at])
+    after = list(losses[resumed_at:resumed_at + window])
+    if not before or not after:
+        return ("loss          at the replacement: not measured (no step before the kill, or "
+                "none after the replacement served)")
+    b, a = statistics.fmean(before), statistics.fmean(after)
+    return (f"loss          at the replacement: {b:.3f} just before the kill (mean of steps "
+            f"{kill_at - len(before)}-{kill_at - 1}) -> {a:.3f} just after the replacement "
+            f"(steps {resumed_at}-{resumed_at + len(after) - 1}): ratio {a / b:.2f} "
+            f"({'no jump' if a / b <= 1.1 else 'a jump'})")
+
+
+
+def steps_of(fleet: Any, server: str, experts: Sequence[str]) -> Dict[str, Optional[int]]:
+    """The optimizer steps of ``experts`` on ``server`` as its server counts
+    them (asked through ``fleet``'s transport: either engine's fleet); None
+    for one that did not answer."""
+    from .remote import RemoteExpert
+
+    steps: Dict[str, Optional[int]] = {}
+    for name in experts:
+        try:
+            stats = RemoteExpert(server, name, transport=fleet.transport, secret=fleet.secret,
+                                 forward_timeout=5.0).remote_stats()
+            steps[name] = int(stats["expert_steps"])
+        except Exception:  # noqa: BLE001 - told as unknown, not fatal
+            steps[name] = None
+    return steps
+
+
+def said_steps(steps: Dict[str, Optional[int]]) -> str:
+    """``"expert2 at step 85, expert3 at step 80"`` (:func:`steps_of`)."""
+    return ", ".join(f"{name} at step {'?' if n is None else n}" for name, n in steps.items())
+
+
+def resumed_steps(fleet: Any, experts: Sequence[Any], server: str,
+                  before: Dict[str, Optional[int]]) -> str:
+    """What each of ``experts`` (:class:`~.remote.FleetExpert` s) resumed
+    at on the replacement ``server``, against ``before`` (the killed
+    server's steps): the steps since its last snapshot are lost, and the
+    trainer goes on from there by itself (no replica at its version lives:
+    :mod:`~moe_autograd.remote.mirrored`, a WARNING naming the steps lost)."""
+    steps = steps_of(fleet, server, [expert.name for expert in experts])
+    said = []
+    for name, now in steps.items():
+        had = before.get(name)
+        lost = "" if had is None or now is None else f" of {had}: {had - now} step(s) lost"
+        said.append(f"{name} at step {'?' if now is None else now}{lost}")
+    return ", ".join(said)

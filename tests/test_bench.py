@@ -204,16 +204,24 @@ def test_local_ray_is_private_and_authenticated(tmp_path) -> None:
     assert not os.path.exists(tmp_path / ".ray"), os.listdir(tmp_path / ".ray")
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_quick_durable_rows(capsys: pytest.CaptureFixture[str]) -> None:
-    """Issue 44's rows run (no timing asserted) and leave no state directory."""
+    """Issue 44's four rows run (no timing or goal asserted: the recovery row
+    measures whatever replicas of a training expert do) and leave no state
+    directory; the two crash rows say what they measured."""
     import glob
     import tempfile
 
     before = set(glob.glob(f"{tempfile.gettempdir()}/moe-bench-durable-*"))
     assert bench.main(["--quick", "--only", "durable"]) == 0
     out = capsys.readouterr().out
-    for name in ("durable/save-overhead", "durable/peer-transfer"):
+    for name in ("durable/save-overhead", "durable/peer-transfer", "durable/mirror-cost",
+                 "durable/recovery-steps-lost", "durable/loss-after-crash"):
         assert any(line.startswith(name) for line in out.splitlines()), out
     assert "MB/s" in out
+    recovery = next(line for line in out.splitlines()
+                    if line.startswith("durable/recovery-steps-lost"))
+    assert "r1 from peer r0" in recovery and "steps without a crash" in recovery, recovery
+    loss = next(line for line in out.splitlines() if line.startswith("durable/loss-after-crash"))
+    assert "resumed from the snapshots" in loss and "from fresh weights" in loss, loss
     assert set(glob.glob(f"{tempfile.gettempdir()}/moe-bench-durable-*")) == before

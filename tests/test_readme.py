@@ -118,6 +118,9 @@ COMMANDS: Dict[str, List[str]] = {
         "test_bench_groups", "tests/test_bench_netns.py::test_rows_skip_with_the_reason"],
     "python -m moe_autograd bench --only replicas": ["test_bench_groups"],
     "python -m moe_autograd demo --elastic": ["tests/test_demos.py::test_elastic_demo_small"],
+    # (its default state folder, a save every 5 steps: what the small demo runs)
+    "python -m moe_autograd demo --elastic [--state-dir DIR] [--save-every N]":
+        ["tests/test_demos.py::test_elastic_demo_small"],
     "python -m moe_autograd demo --elastic --engine ray":
         ["tests/remote/test_ray_demo.py::test_ray_elastic_demo_small"],
     "python -m moe_autograd ...": ["tests/test_demos.py::test_demo_small",  # its log handler

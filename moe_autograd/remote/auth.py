@@ -32,8 +32,9 @@ How a server's gate judges a request (:meth:`Gate.open`), in order::
     header        lengths match what arrived (:mod:`.frame`)     malformed
     kind          a request                                      malformed
     key id        one of this server's job secrets               unknown job
-    MAC           HMAC-SHA256(key, this server's name, header,   bad MAC
-                  body, buffers) equals the one sent
+    MAC           HMAC-SHA256(key, this server's name (and, for  bad MAC
+                  a bound request, this process's boot id),
+                  header, body, buffers) equals the one sent
     freshness     sent within max_clock_skew of this clock       stale
     replay        (key, session, number) not seen before, and    replay
                   within the last WINDOW numbers of its session
@@ -58,12 +59,22 @@ Invariants:
   newest request an evicted window accepted: a request of a session the
   gate keeps no window for must be newer than the floor (by the client's
   clock), so no evicted session's request can be replayed either.
+* A *bound* request (header flag, covered by the MAC) names the boot id of
+  the server process it was sealed for (8 random bytes per process, fork
+  included): a client binds its requests to a server once a record signed
+  with the job's secret told it the boot id (a fleet's server record, a Ray
+  actor's identity: :func:`bind_boot`), so a request captured before a
+  server restarted is refused by the new process ("bad MAC"), whatever the
+  clocks say. A client whose bound request is refused as "bad MAC" forgets
+  the boot id (:func:`unbind_boot`) until a record binds it again.
 * The floor starts at the gate's start (the server process's): a request
   sent before a server (re)started opens no window there, so requests
   captured before a restart cannot be replayed to the new process. Known
-  limit: the comparison is of the client's clock with the server's, so
-  requests captured within the clocks' actual difference before the restart
-  (milliseconds with NTP; at most ``max_clock_skew``) still can, once; and
+  limit, for unbound requests only (a static world's, or before a client
+  was told the boot id): the comparison is of the client's clock with the
+  server's, so requests captured within the clocks' actual difference
+  before the restart (milliseconds with NTP; at most ``max_clock_skew``)
+  still can, once; and
   a client whose clock is behind the server's has its first requests to a
   just-restarted server refused as stale for that difference.
 * A forked child gets sessions of its own (never its parent's numbers).
@@ -80,18 +91,19 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .frame import (KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame, FrameError,
-                    Header, buffer_view, build_head, parse, refusal)
+from .frame import (BOUND, KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame,
+                    FrameError, Header, buffer_view, build_head, parse, refusal)
 
 __all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
            "MissingSecretError", "set_job_secret", "job_secret", "resolve_secret", "session_for",
            "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS",
-           "secret_for", "ENV_SECRET", "ENV_SECRET_FILE",
+           "secret_for", "bind_boot", "unbind_boot", "boot_of", "BOOT_BYTES", "ENV_SECRET", "ENV_SECRET_FILE",
            "WINDOW", "MAX_SESSIONS", "DEFAULT_MAX_CLOCK_SKEW_S", "LOG_EVERY_S"]
 
 ENV_SECRET_FILE = "MOE_AUTOGRAD_SECRET_FILE"
 ENV_SECRET = "MOE_AUTOGRAD_SECRET"
 KEY_BYTES = 32
+BOOT_BYTES = 8               # a server process's boot id
 WINDOW = 4096                 # request numbers a session may arrive out of order by
 MAX_SESSIONS = 1 << 16        # client sessions one gate keeps windows for
 EVICT_SHARE = 64              # at MAX_SESSIONS, 1/EVICT_SHARE of them (least recent) go
@@ -338,8 +350,15 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _mac_parts(name: str, head: bytes, header: Header) -> List[Any]:
-    label = name.encode()
+def _label(name: str, boot: Optional[bytes]) -> bytes:
+    """What a MAC binds a message to: the server's name, and for a bound
+    request the boot id of the server process too."""
+    return name.encode() if boot is None else name.encode() + b"\0" + boot
+
+
+def _mac_parts(name: str, head: bytes, header: Header, boot: Optional[bytes] = None
+               ) -> List[Any]:
+    label = _label(name, boot)
     parts: List[Any] = [len(label).to_bytes(4, "little"), label,
                         memoryview(head)[:header.mac_start], memoryview(head)[header.body_start:]]
     parts.extend(header.views)
@@ -347,13 +366,39 @@ def _mac_parts(name: str, head: bytes, header: Header) -> List[Any]:
 
 
 def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, body: bytes,
-          buffers: Sequence[Any]) -> bytes:
+          buffers: Sequence[Any], boot: Optional[bytes] = None) -> bytes:
     views = [buffer_view(b) for b in buffers]
     head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body),
-                      [v.nbytes for v in views])
-    label = name.encode()
+                      [v.nbytes for v in views], flags=BOUND if boot is not None else 0)
+    label = _label(name, boot)
     mac = secret.mac([len(label).to_bytes(4, "little"), label, head, body, *views])
     return head + mac + body
+
+
+#: worker -> the boot id of its server process, as a signed record said it
+#: (a fleet's server record, a Ray actor's identity): requests to it are bound.
+_boots: Dict[str, bytes] = {}
+_boots_lock = threading.Lock()
+
+
+def bind_boot(worker: str, boot: bytes) -> None:
+    """Binds this process's requests to ``worker`` to its server process's
+    ``boot`` id (read from a record signed with the job's secret): a
+    restarted process has another, and refuses every request captured before."""
+    if not (isinstance(boot, bytes) and len(boot) == BOOT_BYTES):
+        raise ValueError(f"a boot id is {BOOT_BYTES} bytes, got {boot!r:.40}")
+    with _boots_lock:
+        _boots[worker] = boot
+
+
+def unbind_boot(worker: str) -> None:
+    """Forgets ``worker``'s boot id (its requests are unbound until bound again)."""
+    with _boots_lock:
+        _boots.pop(worker, None)
+
+
+def boot_of(worker: str) -> Optional[bytes]:
+    return _boots.get(worker)
 
 
 class Session:
@@ -376,7 +421,8 @@ class Session:
         with self._lock:
             seq = self._seq.get(worker, 0) + 1
             self._seq[worker] = seq
-        head = _seal(self.secret, worker, REQUEST, self.id, seq, body, buffers)
+        head = _seal(self.secret, worker, REQUEST, self.id, seq, body, buffers,
+                     _boots.get(worker))
         return Frame(head, list(buffers), label), seq
 
     def open_reply(self, worker: str, seq: int, frame: Frame) -> Tuple[bytes, Sequence[Any]]:
@@ -479,6 +525,8 @@ class Gate:
                  started: Optional[float] = None) -> None:
         self.max_clock_skew = float(max_clock_skew)
         self.started = time.time() if started is None else float(started)
+        #: This server process's boot id: a bound request's MAC covers it.
+        self.boot = secrets.token_bytes(BOOT_BYTES)
         self._keys: Dict[bytes, Tuple[JobSecret, int]] = {}  # key id -> (secret, users)
         #: Replay windows, least recently used first (a dict keeps its order).
         self._windows: Dict[Tuple[bytes, bytes, str], _Window] = {}
@@ -531,7 +579,7 @@ class Gate:
             raise self.refuse("unknown job", f"a request sealed with key id "
                                              f"{header.key_id.hex()}, not a job served here")
         secret = known[0]
-        parts = _mac_parts(me, frame.head, header)
+        parts = _mac_parts(me, frame.head, header, self.boot if header.bound else None)
         if not hmac.compare_digest(frame.head[header.mac_start:header.body_start],
                                    secret.mac(parts)):
             raise self.refuse("bad MAC", f"a request whose MAC does not verify (key id "
@@ -570,6 +618,15 @@ class Gate:
                                         f"{header.session.hex()[:8]})")
         caller = Caller(header.key_id, header.session, header.seq)
         return caller, frame.head[header.body_start:], frame.buffers, secret
+
+    def restart(self) -> None:
+        """A new process (a forked child): a new boot id, a floor at its start
+        and no windows of its parent's."""
+        with self._lock:
+            self.boot = secrets.token_bytes(BOOT_BYTES)
+            self.started = time.time()
+            self._floor_ms = int(self.started * 1000)
+            self._windows.clear()
 
     def _forget_idle(self, now: float) -> None:
         idle = [k for k, w in self._windows.items() if now - w.seen > self.max_clock_skew]

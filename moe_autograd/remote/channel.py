@@ -28,7 +28,8 @@ import threading
 from typing import Any, Callable, Dict, List, Optional
 
 from . import wire
-from .auth import JobSecret, Refused, ReplyRejected, note_peer_refusals, resolve_secret, session_for
+from .auth import (JobSecret, Refused, ReplyRejected, boot_of, note_peer_refusals, resolve_secret,
+                   session_for, unbind_boot)
 from .errors import RemoteAuthError, RemoteExpertError
 from .transport import Pending, Transport, TransportError, TransportSendError, get_transport
 
@@ -41,8 +42,10 @@ class Opened:
     """A request in flight whose ``result`` is the server's reply pair
     (see the module docstring)."""
 
-    def __init__(self, pending: Pending, worker: str, seq: int, session: Any) -> None:
+    def __init__(self, pending: Pending, worker: str, seq: int, session: Any,
+                 transport: Optional[Transport] = None, bound: bool = False) -> None:
         self._pending, self._worker, self._seq, self._session = pending, worker, seq, session
+        self._transport, self._bound = transport, bound
         self._lock = threading.Lock()
         self._value: Optional[Reply] = None
         add = getattr(pending, "add_done_callback", None)
@@ -64,6 +67,11 @@ class Opened:
         try:
             body, buffers = self._session.open_reply(worker, self._seq, frame)
         except Refused as refused:
+            if self._bound and refused.reason == "bad MAC":  # a restarted process? its new
+                unbind_boot(worker)                             # boot id is bound by the next
+                forget = getattr(self._transport, "forget", None)  # record read (identity)
+                if forget is not None:
+                    forget(worker)
             raise RemoteAuthError(f"worker {worker!r} refused the request ({refused}); is it "
                                   "serving this job with the same secret?") from None
         except ReplyRejected as rejected:
@@ -94,8 +102,12 @@ def request(transport: Transport, worker: str, message: Dict[str, Any],
         body, buffers = wire.encode(message)
     except wire.WireTypeError as error:
         raise TransportSendError(f"the request cannot travel: {error}") from error
+    prepare = getattr(transport, "prepare", None)
+    if prepare is not None:  # (Ray: identifies the actor, which binds its boot id, first)
+        prepare(worker, session.secret.key_id)
+    bound = boot_of(worker) is not None
     frame, seq = session.seal(worker, body, buffers, label or str(message.get("op", "")))
-    return Opened(transport.call(worker, frame, timeout), worker, seq, session)
+    return Opened(transport.call(worker, frame, timeout), worker, seq, session, transport, bound)
 
 
 def call_operation(worker: str, name: str, *args: Any, timeout: Optional[float] = 30.0,

@@ -65,7 +65,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
-from . import membership, rpc_bind, stopping
+from . import endpoint, membership, rpc_bind, stopping
 from .auth import JobSecret
 from .client import RemoteExpert
 from .rpc_engine import RpcTransport
@@ -161,7 +161,7 @@ class ElasticServer:
         set_host_info(rank=self.rank, name=self.name, state="serving")
         try:
             self._record = ServerRecord(self.name, self.rank, dict(self.experts), "serving",
-                                        time.time())
+                                        time.time(), endpoint.gate().boot.hex())
             registry.publish(self._record,
                              live=lambda n, r: n in membership.members(registry.raw)
                              and membership.members(registry.raw)[n] == r)
@@ -290,6 +290,7 @@ class ElasticServer:
             return
         registry = self._registry
         assert registry is not None
+        self._hand_over(registry)
         self.state = "draining"
         set_host_info(state="draining")
         self._signal("left")
@@ -321,6 +322,36 @@ class ElasticServer:
         finally:
             self._halt.set()
             self.state = "gone"
+
+    def _hand_over(self, registry: Registry) -> None:
+        """A clean leave loses no step: each training expert's live published
+        replicas that are behind this server's state (one that joined a few
+        steps ago, and that no trainer has brought into sync yet) take it
+        before this server stops serving. Best effort: a failure is logged."""
+        try:
+            roster = {n: r for n, r in registry.roster().items() if n != self.name}
+            records = registry.records(list(roster))
+        except Exception as error:  # noqa: BLE001 - the store is gone: nobody to hand to
+            self._log(f"leave: no hand-over ({type(error).__name__}: {error})")
+            return
+        for server in self.servers:
+            for expert in server.names:
+                mine = server.version(expert)
+                if mine is None:
+                    continue
+                for peer in sorted(n for n, r in records.items()
+                                   if r.state == "serving" and expert in r.experts):
+                    try:
+                        remote = RemoteExpert(peer, expert, transport=RpcTransport(),
+                                              secret=self.secret, forward_timeout=30.0)
+                        training, count, _ = remote._control("version")
+                        if training and count < mine[0]:
+                            remote.restore_remote(server.snapshot(expert))
+                            self._log(f"expert {expert!r}: handed its state (step "
+                                      f"{mine[0]}) to {peer!r}, which was at {count}")
+                    except Exception as error:  # noqa: BLE001 - logged, the leave goes on
+                        _log.warning("expert %r: could not hand its state to %r on leaving: "
+                                     "%s: %s", expert, peer, type(error).__name__, error)
 
     def _abandon(self) -> None:
         """Evicted, or the world ended: nobody can be told; stop locally."""

@@ -49,6 +49,7 @@ Invariants:
   compressed tensors, which that budget admitted first.
 """
 import logging
+import os
 import threading
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -71,6 +72,8 @@ _operations: Dict[str, Callable[..., Any]] = {}
 _lock = threading.Lock()
 _gate = Gate()
 _budget: List[Budget] = []  # set_request_budget's function (none: unbounded)
+if hasattr(os, "register_at_fork"):  # a forked server is a process of its own: its boot id
+    os.register_at_fork(after_in_child=_gate.restart)
 
 
 def gate() -> Gate:

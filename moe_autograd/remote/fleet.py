@@ -60,7 +60,7 @@ import time
 from typing import Any, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from . import membership, rpc_bind, stopping
-from .auth import JobSecret, resolve_secret
+from .auth import JobSecret, bind_boot, resolve_secret
 from .compression import Compression, resolve as resolve_codec
 from .balance import ReplicaBalancer, check_balance
 from .channel import request
@@ -368,6 +368,11 @@ class Fleet:
                 < CHALLENGE_EVERY_S:
             return False
         self._asked[key] = now
+        if record.boot:  # bound to the process that signed its record: from the challenge on
+            try:
+                bind_boot(name, bytes.fromhex(record.boot))
+            except ValueError:
+                return False
         try:
             status, info = request(self.transport, name, {"op": "info"}, self.ping_timeout,
                                    secret=self.secret, label="info"

@@ -15,7 +15,8 @@ Layout of :attr:`Frame.head` (little-endian)::
     4         1     version (1)
     5         1     kind: 1 request, 2 reply, 3 refusal
     6         1     code: why a refusal refused (0 otherwise)
-    7         1     reserved (0)
+    7         1     flags: 1 = bound (a request whose MAC covers the server
+                    process's boot id too, :mod:`.auth`); 0 otherwise
     8         8     key id: which job secret sealed it (:class:`~.auth.JobSecret`)
     16        16    session: the requesting client's session (a reply echoes it)
     32        8     seq: the request's number in its session (a reply echoes it)
@@ -43,11 +44,12 @@ from typing import Any, List, Sequence
 
 __all__ = ["Frame", "Header", "FrameError", "parse", "buffer_lengths", "build_head", "refusal", "buffer_view",
            "MAGIC", "VERSION", "REQUEST", "REPLY", "REFUSAL", "MAC_BYTES", "MAX_BUFFERS",
-           "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES"]
+           "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES", "BOUND"]
 
 MAGIC = b"MoEa"
 VERSION = 1
 REQUEST, REPLY, REFUSAL = 1, 2, 3
+BOUND = 1  # a header flag (see the layout)
 KEY_ID_BYTES = 8
 SESSION_BYTES = 16
 MAC_BYTES = 32
@@ -87,6 +89,12 @@ class Header:
     body_len: int
     lengths: List[int]
     views: List[memoryview]  # the buffers' bytes (checked against ``lengths``)
+    flags: int = 0
+
+    @property
+    def bound(self) -> bool:
+        """A request bound to the boot id of the server process it was sealed for."""
+        return bool(self.flags & BOUND)
 
     @property
     def mac_start(self) -> int:
@@ -108,10 +116,10 @@ def buffer_view(buffer: Any) -> memoryview:
 
 
 def build_head(kind: int, key_id: bytes, session: bytes, seq: int, sent_ms: int,
-               body_len: int, lengths: Sequence[int], code: int = 0) -> bytes:
+               body_len: int, lengths: Sequence[int], code: int = 0, flags: int = 0) -> bytes:
     """The header up to (not including) the MAC."""
-    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, 0, key_id, session, seq, sent_ms, body_len,
-                        len(lengths))
+    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq, sent_ms,
+                        body_len, len(lengths))
     return fixed + struct.pack(f"<{len(lengths)}Q", *lengths) if lengths else fixed
 
 
@@ -140,7 +148,7 @@ def parse(frame: Frame) -> Header:
         raise FrameError(f"a frame's head must be bytes, got {type(head).__name__}")
     if len(head) < _FIXED.size:
         raise FrameError(f"a frame of {len(head)} bytes is shorter than a header")
-    magic, version, kind, code, _, key_id, session, seq, sent_ms, body_len, n = \
+    magic, version, kind, code, flags, key_id, session, seq, sent_ms, body_len, n = \
         _FIXED.unpack_from(head)
     if magic != MAGIC:
         raise FrameError("not a moe_autograd message (bad magic)")
@@ -148,6 +156,8 @@ def parse(frame: Frame) -> Header:
         raise FrameError(f"message version {version}, this side speaks {VERSION}")
     if kind not in (REQUEST, REPLY, REFUSAL):
         raise FrameError(f"unknown message kind {kind}")
+    if flags & ~BOUND:
+        raise FrameError(f"unknown flags {flags:#x}")
     if n > MAX_BUFFERS or body_len > MAX_BODY_BYTES:
         raise FrameError(f"a message of {n} buffers and a {body_len}-byte body is past the "
                          f"limits ({MAX_BUFFERS} buffers, {MAX_BODY_BYTES} bytes)")
@@ -170,4 +180,5 @@ def parse(frame: Frame) -> Header:
         if view.nbytes != length:
             raise FrameError(f"buffer {k} has {view.nbytes} bytes, the header says {length}")
         views.append(view)
-    return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths, views)
+    return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths, views,
+                  flags)

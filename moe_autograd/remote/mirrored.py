@@ -23,15 +23,23 @@ consistency model (measured in BENCHMARKS.md, ``durable/replica-drift``):
   version is not used (:class:`OutOfSync`) and the call is retried on
   another replica.
 * **A replica that is not in sync is brought back before it is used.** A
-  replica found at another version (a new one that joined with its own
-  state, one that missed a backward, one that refused a fenced backward
-  another replica applied) gets its state from an in-sync replica: its
+  replica of a training name that the client has not seen yet is asked its
+  version before the name's next call (one ``version`` call). A replica
+  found at another version (a new one that joined with its own state, or
+  took a peer's a few steps ago; one that missed a backward; one that
+  refused a fenced backward another replica applied) gets its state from an
+  in-sync replica: its
   client copies that replica's whole state to it (``snapshot``/``restore``,
   sealed with the job's secret), logged at INFO. A replica found *past* the
   client's version means another client trains the name too (or a backward
   this client saw fail was applied): logged at WARNING, and the most
   advanced state becomes the truth. One trainer per training name is the
   supported use (two are detected, not arbitrated).
+* **When no replica at the client's version lives** (the only one died,
+  and its replacement resumed from a snapshot, which is behind), the
+  client goes on from the most advanced live replica, with a WARNING that
+  names the steps lost (at most the snapshots' ``save_every``): the
+  expert is never masked for want of a state it can no longer have.
 * **Nothing is lost while one replica lives.** A replica killed at any
   point of a pass costs no step: the others applied every backward it did,
   a forward it would have run is retried on another (see
@@ -58,7 +66,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, Callable, Dict, List, MutableMapping, Optional
+from typing import Any, Callable, Dict, List, MutableMapping, Optional, Sequence
 
 from .batching import Job
 from .channel import request as send_request
@@ -94,6 +102,7 @@ class View:
         self.truth: Optional[Version] = None
         self.known: Dict[str, Version] = {}
         self.resyncs = 0  # replicas brought back into sync
+        self.adopted = 0  # times no replica at the truth lived, and the best left was taken
 
     def fence(self) -> Optional[List[Any]]:
         """The ``fence`` field of a forward (None: the name does not train)."""
@@ -114,14 +123,28 @@ class View:
             return candidates
         with self.lock:
             assert self.truth is not None
+            for worker in candidates:  # a replica not seen yet (one that joined): asked now,
+                if worker not in self.known:  # while an in-sync one lives to copy from
+                    self._ask(worker, direct)
             good = [w for w in candidates if self.known.get(w) == self.truth]
+            seen = [w for w in candidates if w in self.known]
+            if seen and not good:  # the truth died with its replicas: go on from the best left
+                best = max(seen, key=lambda w: self.known[w][0])
+                lost = self.truth[0] - self.known[best][0]
+                _log.warning("expert %r: no live replica is at this client's version %d; it "
+                             "goes on from replica %r at version %d (%s)", self.name,
+                             self.truth[0], best, self.known[best][0],
+                             f"{lost} step(s) lost" if lost >= 0 else "another history")
+                self.truth = self.known[best]
+                self.adopted += 1
+                good = [w for w in candidates if self.known.get(w) == self.truth]
             for worker in [w for w in candidates if w in self.known and w not in good]:
                 if good:
                     self._resync(worker, good[0], direct)
             return [w for w in candidates if w not in self.known
                     or self.known.get(w) == self.truth]
 
-    def learn(self, worker: str, info: Any) -> None:
+    def learn(self, worker: str, info: Any, live: Sequence[str] = ()) -> None:
         """What a forward that asked (:meth:`asks`) found: ``[training,
         count, digest]`` of the state it ran at. Raises
         :class:`RemoteExpertError` when that is not the truth: the answer is
@@ -145,11 +168,36 @@ class View:
                                  "this client saw fail was applied", worker, self.name, count,
                                  self.truth[0])
                 self.truth = (count, digest)
+            if self.known[worker] != self.truth and not any(
+                    self.known.get(w) == self.truth for w in live if w != worker):
+                best = max((w for w in live if w in self.known), default=worker,
+                           key=lambda w: self.known[w][0])
+                if self.known[best] == self.known[worker]:  # none at the truth lives: go on
+                    lost = self.truth[0] - count           # from this one (see in_sync)
+                    _log.warning("expert %r: no live replica is at this client's version "
+                                 "%d; it goes on from replica %r at version %d (%s)",
+                                 self.name, self.truth[0], worker, count,
+                                 f"{lost} step(s) lost" if lost >= 0 else "another history")
+                    self.truth = self.known[worker]
+                    self.adopted += 1
+                    return
             if self.known[worker] != self.truth:
                 raise OutOfSync(
                     f"replica {worker!r} of expert {self.name!r} is out of sync (version "
                     f"{count}, this client's {self.truth[0]}): its answer is not used, and it "
                     f"takes an in-sync replica's state before its next call")
+
+    def _ask(self, worker: str, direct: Direct) -> None:
+        """Asks ``worker`` its version (a ``version`` control call); on a
+        failure it stays unknown (its forwards ask again)."""
+        try:
+            training, count, digest = direct(worker)._control("version")
+        except (RemoteExpertError, ValueError, TypeError) as error:
+            _log.info("replica %r of expert %r did not say its version: %s", worker, self.name,
+                      error)
+            return
+        if training:
+            self.known[worker] = (int(count), str(digest))
 
     def _resync(self, worker: str, source: str, direct: Direct) -> None:
         assert self.truth is not None

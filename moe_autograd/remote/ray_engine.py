@@ -84,7 +84,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from . import endpoint
-from .auth import JobSecret, refuse, secret_for
+from .auth import JobSecret, bind_boot, refuse, secret_for, unbind_boot
 from .deadlines import DeadlineWatch, per_process
 from .frame import KEY_ID_BYTES, Frame, FrameError, buffer_lengths, buffer_view
 from .transport import (RPC_MAX_TIMEOUT_S, WAIT_SLICE_S, Engine, Pending, TransportError,
@@ -130,8 +130,9 @@ def publish_identity(namespace: str, name: str, actor_id: str,
     read it: nothing an impostor sends is deserialised by the check."""
     from ray.experimental import internal_kv
 
-    record = {"name": name, "namespace": namespace, "actor_id": actor_id,
-              "macs": {s.key_id.hex(): s.sign("ray identity", namespace, name, actor_id)
+    boot = endpoint.gate().boot.hex()  # requests bound to it: none replayed after a restart
+    record = {"name": name, "namespace": namespace, "actor_id": actor_id, "boot": boot,
+              "macs": {s.key_id.hex(): s.sign("ray identity", namespace, name, actor_id, boot)
                        for s in secrets_}}
     internal_kv._internal_kv_put(_identity_key(namespace, name), json.dumps(record),
                                  overwrite=True, namespace=IDENTITY_KV_NAMESPACE)
@@ -406,10 +407,19 @@ class RayTransport:
 
     def forget(self, worker: str) -> None:
         """Drops the cached handle of ``worker`` (looked up, and identified,
-        again on the next call)."""
+        again on the next call: its boot id too)."""
         with self._lock:
             self._handles.pop(worker, None)
             self._identified.pop(worker, None)
+        unbind_boot(worker)
+
+    def prepare(self, worker: str, key_id: bytes) -> None:
+        """Before a request to ``worker`` is sealed: identifies its actor for
+        the job ``key_id`` (which binds the request to its process's boot
+        id); raises :class:`Unidentified` as :meth:`call` would."""
+        ray = _ray()
+        if ray.is_initialized():
+            self._identify(worker, self.handle(worker), key_id)
 
     def _identify(self, worker: str, handle: Any, key_id: bytes) -> None:
         """Raises :class:`Unidentified` (refused: counted, logged) unless the
@@ -451,14 +461,19 @@ class RayTransport:
         try:
             record = json.loads(raw)
             mac = record["macs"].get(key_id.hex())
-            claimed = str(record["actor_id"])
+            claimed, boot = str(record["actor_id"]), str(record["boot"])
+            boot_id = bytes.fromhex(boot)
         except (ValueError, KeyError, TypeError, AttributeError):
             return "its identity record is malformed"
-        if not secret.verify(mac, "ray identity", self.namespace, worker, claimed):
+        if not secret.verify(mac, "ray identity", self.namespace, worker, claimed, boot):
             return "its identity record is not signed with this job's secret"
         if claimed != actor_id:
             return (f"the name's signed identity is actor {claimed[:12]}, this actor is "
                     f"{actor_id[:12]}")
+        try:
+            bind_boot(worker, boot_id)  # its process's requests: none replayable elsewhere
+        except ValueError:
+            return "its identity record names a malformed boot id"
         return None
 
     def _failure(self, worker: str, error: BaseException) -> TransportError:

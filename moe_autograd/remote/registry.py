@@ -98,10 +98,11 @@ class ServerRecord:
     experts: Dict[str, str] = field(default_factory=dict)  # expert -> "stateless"/"stateful"
     state: str = "serving"   # serving, draining, left, reaped
     published_at: float = 0.0  # the server's wall clock (for reports only)
+    boot: str = ""  # its process's boot id (hex): clients bind their requests to it
 
     def _fields(self) -> Dict[str, Any]:
         return {"name": self.name, "rank": self.rank, "experts": self.experts,
-                "state": self.state, "published_at": self.published_at}
+                "state": self.state, "published_at": self.published_at, "boot": self.boot}
 
     def to_json(self, secret: JobSecret, run: str, expires: float) -> str:
         body = json.dumps(dict(self._fields(), run=run, expires=expires), sort_keys=True)
@@ -129,7 +130,8 @@ class ServerRecord:
                 return None
             return ServerRecord(str(d["name"]), int(d["rank"]),
                                 {str(k): str(v) for k, v in dict(d.get("experts", {})).items()},
-                                str(d.get("state", "serving")), float(d.get("published_at", 0.0)))
+                                str(d.get("state", "serving")), float(d.get("published_at", 0.0)),
+                                str(d.get("boot", "")))
         except (ValueError, KeyError, TypeError, AttributeError):
             refuse("malformed", "a malformed fleet record", once=text)
             return None
@@ -306,7 +308,7 @@ class Registry:
         if record is not None and record.rank == rank:
             self.raw.set(self._key("server", name),
                          self._signed(ServerRecord(name, rank, record.experts, state,
-                                                   record.published_at)))
+                                                   record.published_at, record.boot)))
         if self.roster().get(name) == rank:
             self._update_roster({name: None})
 

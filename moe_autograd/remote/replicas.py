@@ -191,7 +191,7 @@ class _Measured(RemoteExpert):
 
     def _forward_job(self, call: Any, args: Sequence[Any], grad: bool) -> Job:
         job = super()._forward_job(call, args, grad)
-        view, worker = self.view, self.worker
+        view, worker, fleet, name = self.view, self.worker, self.fleet, self.name
         if not view.asks(worker):
             fence = view.fence()
             if fence is not None:  # run only at the version its client knows (.mirrored)
@@ -205,7 +205,7 @@ class _Measured(RemoteExpert):
                 raise RemoteExpertError(f"{self._where('forward')} got a malformed reply: "
                                         f"{value!r:.200}")
             result = decode(value[:4])
-            view.learn(worker, value[4])
+            view.learn(worker, value[4], fleet.replicas(name))
             return result
         job.decode = checked
         return job

@@ -410,9 +410,7 @@ class ExpertServer:
         state, steps) or changes nothing, logs where it came from (``source``,
         e.g. ``"peer server_b"``) and saves it when this server keeps
         snapshots; returns its steps."""
-        hosted = next((h for h in self._hosted if h.name == name), None)
-        if hosted is None:
-            raise LookupError(f"this server does not serve expert {name!r} ({self.names})")
+        hosted = self._hosted_named(name)
         with hosted.lock:
             _apply_state(hosted, state, f"the state of {source}")
             if self.snapshots is not None:
@@ -421,6 +419,29 @@ class ExpertServer:
         self.resumed[name] = f"{source} (step {steps})"
         _log.info("expert %r resumed from %s (step %d)", name, source, steps)
         return steps
+
+    def _hosted_named(self, name: str) -> _Hosted:
+        hosted = next((h for h in self._hosted if h.name == name), None)
+        if hosted is None:
+            raise LookupError(f"this server does not serve expert {name!r} ({self.names})")
+        return hosted
+
+    def version(self, name: str) -> Optional[Tuple[int, str]]:
+        """Expert ``name``'s version (:mod:`.lineage`), or None if it does
+        not train (no optimizer under ``auto_step``)."""
+        hosted = self._hosted_named(name)
+        if not hosted.training:
+            return None
+        with hosted.lock:
+            return hosted.version()
+
+    def snapshot(self, name: str) -> ExpertState:
+        """A copy of expert ``name``'s whole state (what a peer transfer sends)."""
+        hosted = self._hosted_named(name)
+        with hosted.lock:
+            state = _captured(hosted)
+            return ExpertState(_copied(state.module), _copied(state.optimizer), state.steps,
+                               state.skipped_steps, lineage=state.lineage)
 
     def close(self, timeout: float = 10.0) -> None:
         """Stops serving: new requests fail at once, requests in flight get up

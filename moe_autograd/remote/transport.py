@@ -123,9 +123,11 @@ class CallbackPending(Pending, Protocol):
 
 class Transport(Protocol):
     """What remote experts need of an engine (see the module docstring's
-    table). Optional: ``default_timeout() -> Optional[float]``, the seconds
-    that bound a call given ``timeout=None``, and ``timeout_hint() -> str``,
-    how a user changes them (named in timeout errors)."""
+    table). Optional: ``prepare(worker, key_id)``, called before a request to
+    ``worker`` is sealed (Ray identifies the actor there);
+    ``default_timeout() -> Optional[float]``, the seconds that bound a call
+    given ``timeout=None``; and ``timeout_hint() -> str``, how a user
+    changes them (named in timeout errors)."""
 
     name: str
 

@@ -332,6 +332,39 @@ def test_a_restarted_server_takes_no_request_sent_before_it_started(
     restarted.open(sealed(Session(secret))[0], "srv")
 
 
+def test_a_bound_request_is_refused_by_a_restarted_process_whatever_the_clocks(
+        secret: JobSecret) -> None:
+    """(issue 45) A request bound to a server process's boot id (a client
+    that read it from a signed record) is refused by the process that
+    replaced it, even where the clocks cannot tell (the floor is not what
+    refuses it: here it is made 0); an unbound one is refused only by the
+    floor, and its flag cannot be cleared without breaking the MAC."""
+    gate = Gate(max_clock_skew=300.0, started=0.0)
+    gate.admit([secret])
+    auth.bind_boot("srv-boot", gate.boot)
+    try:
+        session = Session(secret)
+        frame = sealed(session, "srv-boot")[0]
+        assert auth.parse(frame).bound
+        gate.open(frame, "srv-boot")
+        captured = sealed(session, "srv-boot")[0]
+        gate.restart()
+        gate._floor_ms = 0  # clocks apart: the floor cannot tell
+        bad = security_stats()["refused"].get("bad MAC", 0)
+        with pytest.raises(Refused, match="bad MAC"):
+            gate.open(captured, "srv-boot")
+        assert security_stats()["refused"]["bad MAC"] == bad + 1
+        stripped = Frame(captured.head[:7] + b"\0" + captured.head[8:], captured.buffers)
+        with pytest.raises(Refused, match="bad MAC"):  # unbinding it breaks its MAC
+            gate.open(stripped, "srv-boot")
+        auth.bind_boot("srv-boot", gate.boot)  # the new process's, from its new record
+        gate.open(sealed(session, "srv-boot")[0], "srv-boot")
+        with pytest.raises(ValueError, match="8 bytes"):
+            auth.bind_boot("srv-boot", b"short")
+    finally:
+        auth.unbind_boot("srv-boot")
+
+
 def test_a_client_that_fills_the_session_table_locks_nobody_out(
         secret: JobSecret, gate: Gate, monkeypatch: pytest.MonkeyPatch) -> None:
     """(issue 45) One member opens sessions without end: the least recently

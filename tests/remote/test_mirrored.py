@@ -116,3 +116,23 @@ def test_three_replicas_stay_one_expert_through_a_kill_and_a_fresh_join() -> Non
         assert result[worker] == {"steps": 100, "equal": True}, (worker, result)
     assert len([w for w, n in result["served"].items() if n]) >= 2, result  # spread
     assert result["resyncs"] >= 1, result  # server_d joined fresh and was brought into sync
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loopback world")
+def test_with_only_its_snapshots_the_trainer_goes_on_from_the_replacement(
+        tmp_path: Path) -> None:
+    """The only server of a training expert killed mid-pass, a replacement
+    on its state directory: at most the save interval (3) is lost, the
+    resumed weights equal a run without the crash at that step, and the
+    same FleetExpert goes on training it (tests/remote/snapshot_recovery.py)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE_DIR),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(HERE_DIR / "snapshot_recovery.py"),
+                           str(tmp_path), "3"], env=env, cwd=str(ROOT), capture_output=True,
+                          text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["resumed_at"] == 6 and result["equal_at_resume"], result  # 7 or 8 done
+    assert result["steps_after"] == 9 and result["equal_after"], result
+    assert result["adopted"] == 1, result
