@@ -429,8 +429,10 @@ class ModuleCall(IsolatedCall):
         if self.validate is not None:
             self.validate(self)
         attrs = state.compare() if state is not None else []
-        self._module_state = state if state is not None and (
-            attrs or (self.checkpoint and state.changes)) else None
+        # A checkpointed call keeps it whatever its forward did: its
+        # recomputation sees the state that forward saw, even if the user
+        # changed the module since (attributes, train/eval: issue 46).
+        self._module_state = state if state is not None and (attrs or self.checkpoint) else None
         self._plan_outputs(attrs)
         return attrs
 

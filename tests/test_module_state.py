@@ -230,3 +230,60 @@ def test_a_checkpointed_batch_norm_expert_recomputes_from_the_statistics_its_for
     for a, b in zip(ours, theirs):  # advanced once, as by the loop
         torch.testing.assert_close(a[1].running_mean, b[1].running_mean)
         assert int(a[1].num_batches_tracked) == int(b[1].num_batches_tracked) == 1
+
+
+class Tasked(nn.Module):
+    """Reads a plain attribute its forward never sets (issue 46)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D).double()
+        self.task = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * (self.task + 1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_attributes_changed_between_forward_and_backward_are_not_seen_by_the_recomputation(
+        mode: str, several_lanes: int) -> None:
+    """(issue 46, class 1) The user sets ``task`` 0, runs a batch, sets 1,
+    runs another, sets 2, runs a third, then one backward of the sum: each
+    checkpointed call recomputes with the ``task`` its forward saw, as the
+    loop's saved graph does (before: with the backward's, 2, for all)."""
+    torch.manual_seed(2)
+    ours = [Tasked() for _ in range(3)]
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(2, D, dtype=torch.float64, requires_grad=True) for _ in ours]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs, want = [], []
+    for task in range(3):
+        for a, b in zip(ours, theirs):
+            a.task = b.task = task
+        outs += parallel_apply(ours, xs, checkpoint=True, mode=mode)
+        want += _loop(theirs, lxs)
+    sum(o.sum() for o in outs).backward()
+    sum(o.sum() for o in want).backward()
+    assert all(torch.equal(a, b) for a, b in zip(_grads(ours, xs), _grads(theirs, lxs)))
+    assert [m.task for m in ours] == [2, 2, 2]  # left as the user set it
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_eval_between_forward_and_backward_keeps_the_forwards_dropout_mask(
+        mode: str, several_lanes: int) -> None:
+    """(issue 46, class 1) ``eval()`` between a checkpointed call's forward
+    and its backward: the recomputation runs in training mode, as the
+    forward did, so its gradients equal those of the same call without
+    checkpointing (before: the mask was dropped)."""
+    def run(checkpoint: bool) -> List[Tensor]:
+        torch.manual_seed(3)
+        experts = [nn.Sequential(nn.Linear(D, D), nn.Dropout(0.5)).double() for _ in range(3)]
+        xs = [torch.randn(2, D, dtype=torch.float64, requires_grad=True) for _ in experts]
+        torch.manual_seed(4)
+        outs = parallel_apply(experts, xs, checkpoint=checkpoint, mode=mode)
+        for e in experts:
+            e.eval()
+        sum(o.sum() for o in outs).backward()
+        assert not any(m.training for e in experts for m in e.modules())
+        return _grads(experts, xs)  # type: ignore[arg-type]
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))

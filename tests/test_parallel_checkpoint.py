@@ -665,22 +665,25 @@ def test_an_input_or_parameter_changed_before_the_recomputation_is_refused(mode:
         what="a parameter (an optimizer step before the backward?)")
 
 
+_WORLD: Dict[str, Any] = {}  # state outside the module: what a recomputation cannot replay
+
+
 class _Changes(nn.Module):
-    """Not deterministic given its inputs: what it returns (a view of its
-    result, or another leaf's product) depends on a flag set between its
-    forward and its recomputation."""
+    """Not deterministic given its inputs and module state: what it returns
+    (a view of its result, or another leaf's product) depends on flags kept
+    outside the module, set between its forward and its recomputation (flags
+    kept on the module are replayed as the forward saw them: issue 46)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(D, D, dtype=torch.float64)
-        self.other: Optional[Tensor] = None
-        self.view = True
+        _WORLD.update(other=None, view=True)
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.fc(x)
-        if self.other is not None:
-            y = y * self.other
-        return y.view(-1) if self.view else y.reshape(-1).clone()
+        if _WORLD["other"] is not None:
+            y = y * _WORLD["other"]
+        return y.view(-1) if _WORLD["view"] else y.reshape(-1).clone()
 
 
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])
@@ -688,7 +691,7 @@ def test_a_recomputation_that_differs_from_its_forward_is_refused(mode: str) -> 
     x = torch.randn(3, D, dtype=torch.float64, requires_grad=True)
     expert = _Changes()
     y = parallel_apply([expert], [x], checkpoint=True, mode=mode)[0]
-    expert.other = torch.ones(D, dtype=torch.float64, requires_grad=True)  # a new leaf
+    _WORLD["other"] = torch.ones(D, dtype=torch.float64, requires_grad=True)  # a new leaf
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
     assert str(info.value) == (
@@ -699,7 +702,7 @@ def test_a_recomputation_that_differs_from_its_forward_is_refused(mode: str) -> 
 
     expert = _Changes()
     y = parallel_apply([expert], [x], checkpoint=True, mode=mode)[0]
-    expert.view = False
+    _WORLD["view"] = False
     with pytest.raises(RuntimeError) as info:
         y.sum().backward()
     assert str(info.value) == (
