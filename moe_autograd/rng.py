@@ -105,6 +105,12 @@ Limits
 * While ops are recorded into a graph (``make_fx``, AOTAutograd under
   ``torch.compile``) random ops keep ``generator=None``: the graph is routed
   when it runs, to whatever stream is active then.
+* ``torch.manual_seed`` is replaced (at import) by a function that, inside
+  a :class:`CallRng` activation, reseeds that call's stream only (its
+  generators on every device start from the seed, as the loop's call would
+  draw from the reseeded global generators; the global generators are not
+  touched, where the loop would leave them reseeded: a difference the
+  README's semantics table states). Outside activations it is PyTorch's.
 * ``torch.get_rng_state`` / ``torch.set_rng_state`` are replaced (at import)
   by functions that, inside a :class:`CallRng` activation, read and set the
   stream's CPU generator (see the table above the router): so
@@ -183,7 +189,7 @@ class _Activation:
     """One ``with stream.activate():``. Holds the generators it created."""
 
     __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "restored",
-                 "override", "replay", "copies", "_saved")
+                 "override", "replay", "copies", "_saved", "seeded")
 
     def __init__(self, stream: RandomStream, override: bool = False) -> None:
         self.stream = stream
@@ -205,6 +211,9 @@ class _Activation:
         self.replay = False
         self.copies: Dict[int, torch.Generator] = {}
         self._saved = (False, False)
+        #: The seed a ``torch.manual_seed`` inside this activation set (its
+        #: generators for devices not drawn from yet start there too).
+        self.seeded: Optional[int] = None
 
     def __enter__(self) -> None:
         stack = _local.stack
@@ -263,9 +272,25 @@ class _Activation:
             if device.type == "cuda" and device.index is None:
                 return self.generator(torch.device("cuda", torch.cuda.current_device()))
             origin = self.restored.pop(device, None)
-            gen = (origin or self.stream)._generator(device, self)
+            if self.seeded is not None and origin is None:
+                gen = _new_generator(device)
+                gen.manual_seed(self.seeded)
+            else:
+                gen = (origin or self.stream)._generator(device, self)
             self.generators[device] = gen
         return gen
+
+    def manual_seed(self, seed: int) -> None:
+        """``torch.manual_seed(seed)`` inside this (CallRng) activation: its
+        random ops on every device draw from generators seeded ``seed`` on,
+        as the loop's call would from the reseeded global generators; the
+        global generators are not touched."""
+        self.seeded = int(seed)
+        self.restored.clear()
+        for device in list(self.generators):
+            gen = _new_generator(device)
+            gen.manual_seed(self.seeded)
+            self.generators[device] = gen
 
     def explicit(self, gen: torch.Generator) -> torch.Generator:
         """The generator a random op given ``gen`` explicitly draws from: in a
@@ -713,10 +738,23 @@ def _set_rng_state(new_state: Tensor) -> None:
     activation.set_state(_CPU, new_state)
 
 
+_torch_manual_seed = torch.random.manual_seed
+
+
+def _manual_seed(seed: int) -> Any:
+    activation = _call_activation()
+    if activation is None or activation.override:
+        return _torch_manual_seed(seed)
+    activation.manual_seed(seed)  # this call's stream only (issue 46)
+    return torch.random.default_generator
+
+
 _get_rng_state.__doc__ = _torch_get_rng_state.__doc__
 _set_rng_state.__doc__ = _torch_set_rng_state.__doc__
+_manual_seed.__doc__ = _torch_manual_seed.__doc__
 torch.get_rng_state = torch.random.get_rng_state = _get_rng_state
 torch.set_rng_state = torch.random.set_rng_state = _set_rng_state
+torch.manual_seed = torch.random.manual_seed = _manual_seed
 
 
 # -- the router -----------------------------------------------------------------------

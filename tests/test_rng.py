@@ -6,6 +6,9 @@ import torch
 import torch.nn.functional as F
 
 import helpers
+from torch import nn
+
+from moe_autograd import parallel_apply
 from moe_autograd import rng as rng_module
 from moe_autograd.rng import CallRng, ReplayRng, active_stream, routed_ops
 
@@ -671,3 +674,50 @@ def test_rng_state_of_an_untouched_stream_draws_no_seed():
         state = torch.get_rng_state()
         torch.set_rng_state(state)
     assert torch.equal(torch.get_rng_state(), before)
+
+
+class _Seeds(nn.Module):
+    """Seeds inside its forward (in a fork_rng block, or not), then draws."""
+
+    def __init__(self, k: int, fork: bool) -> None:
+        super().__init__()
+        torch.manual_seed(k)
+        self.lin = nn.Linear(4, 4).double()
+        self.k, self.fork = k, fork
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fork:
+            with torch.random.fork_rng():
+                torch.manual_seed(100 + self.k)
+                mask = torch.rand(x.shape, dtype=x.dtype) > 0.5
+            return self.lin(x) * mask
+        torch.manual_seed(100 + self.k)
+        mask = torch.rand(x.shape, dtype=x.dtype) > 0.5
+        return torch.nn.functional.dropout(self.lin(x), 0.5) * mask
+
+
+@pytest.mark.parametrize("fork", [False, True])
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+def test_a_seed_set_inside_an_expert_acts_on_that_calls_stream(
+        mode: str, checkpoint: bool, fork: bool) -> None:
+    """(issue 46, class 4) ``torch.manual_seed`` inside an expert, in a
+    ``fork_rng`` block or not: the call draws what the loop's call draws
+    after the same seed (values and gradients equal, a checkpointed call's
+    recomputation too); the global generator is not reseeded (the loop's
+    would be: the README's semantics table says so)."""
+    experts = [_Seeds(k, fork) for k in range(3)]
+    xs = [torch.randn(3, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
+    want = [e(x) for e, x in zip(experts, xs)]
+    torch.manual_seed(7)
+    outs = parallel_apply(experts, [x.detach().requires_grad_() for x in xs], mode=mode,
+                          checkpoint=checkpoint)
+    after = torch.rand(4)  # the global generator: not reseeded by the experts' seeds
+    assert not any(torch.equal(after, torch.rand(4, generator=torch.Generator().manual_seed(
+        100 + k))) for k in range(3))
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))
+    grads = torch.autograd.grad(sum(o.sum() for o in outs), [p for e in experts
+                                                              for p in e.parameters()])
+    loop = torch.autograd.grad(sum(o.sum() for o in want), [p for e in experts
+                                                             for p in e.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(grads, loop))
