@@ -27,20 +27,14 @@ from typing import Any, Dict, List
 
 import torch
 
-from peer_recovery import _same, adam, batch, experts  # noqa: F401  (the servers' factory)
+from peer_recovery import _same, batch, stop_all, trained
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, KILL_AT, JOIN_AT = 100, 40, 45
 
 
 def reference(steps: int) -> Dict[str, Any]:
-    os.environ["PEER_SEED"] = "0"
-    module = experts()["dur"]
-    optimizer = adam(module.parameters())
-    for step in range(steps):
-        module(batch(step)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    module, optimizer = trained(range(steps))
     return {"module": module.state_dict(), "optimizer": optimizer.state_dict()["state"]}
 
 
@@ -122,11 +116,7 @@ def main() -> None:
                               and snap.optimizer is not None
                               and _optimizer_equal(snap.optimizer["state"], want["optimizer"])}
     finally:
-        fleet.shutdown(timeout=10)
-        for process in servers.values():
-            if process.poll() is None:
-                process.kill()
-            process.wait(30)
+        stop_all(fleet, servers)
     print(json.dumps(result), flush=True)
 
 

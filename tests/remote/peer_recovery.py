@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, Iterable, Tuple
 
 import torch
 from torch import nn
@@ -40,15 +40,30 @@ def batch(step: int) -> torch.Tensor:
     return torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(1000 + step))
 
 
-def reference(steps: int) -> Dict[str, torch.Tensor]:
+def trained(steps: Iterable[int]) -> Tuple[nn.Module, torch.optim.Optimizer]:
+    """``dur`` (seed 0) and its optimizer, trained locally on the batches
+    numbered ``steps``, in order, as its server trains it."""
     os.environ["PEER_SEED"] = "0"
     module = experts()["dur"]
     optimizer = adam(module.parameters())
-    for step in range(steps):
+    for step in steps:
         module(batch(step)).square().mean().backward()
         optimizer.step()
         optimizer.zero_grad()
-    return module.state_dict()
+    return module, optimizer
+
+
+def reference(steps: int) -> Dict[str, torch.Tensor]:
+    return trained(range(steps))[0].state_dict()
+
+
+def stop_all(fleet: Any, servers: Dict[str, "subprocess.Popen[str]"]) -> None:
+    """Ends the world and every server process (killed if still running)."""
+    fleet.shutdown(timeout=10)
+    for process in servers.values():
+        if process.poll() is None:
+            process.kill()
+        process.wait(30)
 
 
 def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
@@ -100,11 +115,7 @@ def main() -> None:
         result["b_equals_reference_8"] = _same(snap_b.module, reference(8))
         err = servers["server_b"]
     finally:
-        fleet.shutdown(timeout=10)
-        for process in servers.values():
-            if process.poll() is None:
-                process.kill()
-            process.wait(30)
+        stop_all(fleet, servers)
     result["log_b"] = [line for line in (err.stderr.read() if err.stderr else "").splitlines()
                        if "state of peer" in line or "resumed from" in line]
     print(json.dumps(result), flush=True)

@@ -23,23 +23,14 @@ from typing import Any, Dict
 import torch
 
 from mirror_fleet import _server, _wait_replicas
-from peer_recovery import _same, adam, batch, experts
+from peer_recovery import _same, batch, stop_all, trained
 
 SAVE_EVERY = 3
 
 
 def reference(steps: Any) -> Dict[str, torch.Tensor]:
     """The weights after training on the batches numbered ``steps``, in order."""
-    import os
-
-    os.environ["PEER_SEED"] = "0"
-    module = experts()["dur"]
-    optimizer = adam(module.parameters())
-    for step in steps:
-        module(batch(step)).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return module.state_dict()
+    return trained(steps)[0].state_dict()
 
 
 def main() -> None:
@@ -81,11 +72,7 @@ def main() -> None:
                                       reference([*range(resumed.steps), 8, 9, 10]))
         result["adopted"] = expert.view.adopted
     finally:
-        fleet.shutdown(timeout=10)
-        for process in servers.values():
-            if process.poll() is None:
-                process.kill()
-            process.wait(30)
+        stop_all(fleet, servers)
     print(json.dumps(result), flush=True)
 
 
