@@ -1,15 +1,18 @@
 """Autograd modes the parallel node cannot carry, and what the runtime does then.
 
 The parallel node is a backward-mode construct: it records each call's own
-graph on a worker and replays its backward there. Two modes of PyTorch work
+graph on a worker and replays its backward there. Three modes of PyTorch work
 differently and would be lost silently on that path:
 
 * forward-mode AD (``torch.autograd.forward_ad`` dual tensors): a worker runs
   the call on detached inputs, so tangents would come back as ``None``;
 * ``torch.func`` transforms (``grad``, ``vjp``, ``jvp``, ``vmap``...): their
-  wrapped tensors and interpreter stack live on the caller's thread.
+  wrapped tensors and interpreter stack live on the caller's thread;
+* ``torch.autograd.graph.allow_mutation_on_saved_tensors()``: its
+  clone-before-mutate dispatch mode lives on the caller's thread, and a
+  checkpointed call's recomputation runs outside it (issue 46).
 
-In either mode the entry points (:func:`moe_autograd.parallel_apply`,
+In any of these modes the entry points (:func:`moe_autograd.parallel_apply`,
 :func:`moe_autograd.map_with_parallel_backward`) run the calls sequentially on
 the caller, exactly as a loop would (so results, tangents and errors are the
 loop's); layers that cannot run sequentially (the MoE layer's deadlines)
@@ -30,6 +33,7 @@ from typing import Any, Callable, Dict, Optional, TypeVar
 
 import torch
 from torch.autograd import forward_ad
+from torch.autograd import graph as _graph
 
 __all__ = ["sequential_mode", "check_parallel_mode", "functorch_active", "opaque_to_dynamo"]
 
@@ -70,6 +74,11 @@ def sequential_mode(tree: Any) -> Optional[str]:
         # Inside a dual level, whatever the arguments: an expert may close
         # over a dual tensor that no argument shows.
         return "forward-mode AD (torch.autograd.forward_ad, torch.func.jvp)"
+    if _graph._allow_mutation_on_saved_tensors_enabled:
+        # Its clone-before-mutate dispatch mode and its hooks are this
+        # thread's: calls on workers, or recomputed in backward, would mutate
+        # the tensors their backward reads (issue 46).
+        return "torch.autograd.graph.allow_mutation_on_saved_tensors()"
     return None
 
 
