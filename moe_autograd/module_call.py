@@ -350,14 +350,22 @@ class ModuleCall(IsolatedCall):
     def order_keys(self) -> List[int]:
         """The ids of the module objects whose state this call's forward may
         change (:func:`~moe_autograd.module_state.may_change`; the expert
-        itself always): calls sharing one run in call order (see
+        itself always) and of the parameters and buffers those modules hold
+        themselves: calls sharing one run in call order (see
         :func:`moe_autograd.parallel._in_call_order`). None for a call a
         collector starts, or of a plain function."""
         module = self.module
         if self.collector is not None or not isinstance(module, nn.Module):
             return []
         tree = self._submodules = submodules(module)
-        return [id(module), *(id(m) for m in tree[1:] if may_change(m))]
+        changing = [m for m in tree if may_change(m)]
+        # The tensors such a module holds itself are keys too: distinct experts
+        # that share a parameter or a buffer and may change it in forward run
+        # in call order (issue 46); a torch.nn module that only computes (a tied
+        # Linear) orders nothing, so experts sharing one still overlap.
+        return [id(module), *(id(m) for m in changing if m is not module),
+                *(id(t) for m in changing for store in (m._parameters, m._buffers)
+                  for t in store.values() if t is not None)]
 
     # -- forward ---------------------------------------------------------------
     def _call(self) -> Any:

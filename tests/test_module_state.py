@@ -168,7 +168,44 @@ def test_calls_are_ordered_by_the_stateful_modules_they_reach() -> None:
     shared = nn.BatchNorm1d(D)
     expert = nn.Sequential(nn.Linear(D, D), shared, OwnLinear(D, D))
     call = ModuleCall(expert, (torch.randn(2, D),), {})
-    assert call.order_keys() == [id(expert), id(shared), id(expert[2])]
+    tensors = [id(t) for m in (shared, expert[2]) for store in (m._parameters, m._buffers)
+               for t in store.values() if t is not None]
+    assert call.order_keys() == [id(expert), id(shared), id(expert[2]), *tensors]
+    plain = nn.Sequential(nn.Linear(D, D), nn.Tanh())  # nothing it may change: no keys but its own
+    assert ModuleCall(plain, (torch.randn(2, D),), {}).order_keys() == [id(plain)]
+
+
+class _Drifts(nn.Module):
+    """Distinct experts that share one tensor and change it in forward."""
+
+    def __init__(self, shared: nn.Parameter) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D).double()
+        self.shared = shared
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            self.shared.mul_(0.5).add_(x.mean())
+        return self.lin(x) * self.shared
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_distinct_experts_sharing_a_tensor_run_in_call_order(mode: str,
+                                                             several_lanes: int) -> None:
+    """(issue 46, class 2) Calls are ordered by the tensors they share, not
+    only by module objects: four distinct experts holding one parameter that
+    each forward changes see it as the loop's calls do, every time (before:
+    17 runs in 20 differed in parallel mode)."""
+    for trial in range(10):
+        torch.manual_seed(trial)
+        shared = nn.Parameter(torch.ones(D, dtype=torch.float64), requires_grad=False)
+        ours = [_Drifts(shared) for _ in range(4)]
+        theirs = copy.deepcopy(ours)  # (the copies share one copy of the tensor)
+        xs = [torch.randn(2, D, dtype=torch.float64, requires_grad=True) for _ in ours]
+        want = _loop(theirs, xs)
+        outs = parallel_apply(ours, xs, mode=mode)
+        assert all(torch.equal(a, b) for a, b in zip(outs, want)), trial
+        assert torch.equal(ours[0].shared, theirs[0].shared)
 
 
 # -- ModuleState itself ----------------------------------------------------------------------
@@ -287,3 +324,38 @@ def test_eval_between_forward_and_backward_keeps_the_forwards_dropout_mask(
         assert not any(m.training for e in experts for m in e.modules())
         return _grads(experts, xs)  # type: ignore[arg-type]
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known limit (issue 46, README semantics table): a torch.nn module "
+                          "that only computes (here an EMA teacher Linear shared by distinct "
+                          "experts) orders nothing, so a forward that updates it in place "
+                          "races with the other calls' reads in lanes/parallel")
+def test_a_shared_torch_nn_teacher_updated_in_forward_is_not_ordered() -> None:
+    import threading
+
+    teacher = nn.Linear(D, D).double()
+    meet: List[Any] = [None]
+
+    class Student(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D).double()
+            self.teacher = teacher
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = self.lin(x) + self.teacher(x).detach()
+            if meet[0] is not None:
+                meet[0].wait()  # every call has read the teacher before any updates it
+            with torch.no_grad():
+                for t, s in zip(self.teacher.parameters(), self.lin.parameters()):
+                    t.mul_(0.9).add_(s, alpha=0.1)
+            return out
+    torch.manual_seed(0)
+    ours = [Student() for _ in range(3)]
+    theirs = copy.deepcopy(ours)
+    xs = [torch.randn(2, D, dtype=torch.float64) for _ in ours]
+    want = _loop(theirs, xs)
+    meet[0] = threading.Barrier(3, timeout=20)
+    outs = parallel_apply(ours, xs, mode="parallel")
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))
