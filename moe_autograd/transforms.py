@@ -1,7 +1,7 @@
 """Autograd modes the parallel node cannot carry, and what the runtime does then.
 
 The parallel node is a backward-mode construct: it records each call's own
-graph on a worker and replays its backward there. Three modes of PyTorch work
+graph on a worker and replays its backward there. Four modes of PyTorch work
 differently and would be lost silently on that path:
 
 * forward-mode AD (``torch.autograd.forward_ad`` dual tensors): a worker runs
@@ -10,7 +10,9 @@ differently and would be lost silently on that path:
   wrapped tensors and interpreter stack live on the caller's thread;
 * ``torch.autograd.graph.allow_mutation_on_saved_tensors()``: its
   clone-before-mutate dispatch mode lives on the caller's thread, and a
-  checkpointed call's recomputation runs outside it (issue 46).
+  checkpointed call's recomputation runs outside it (issue 46);
+* ``torch.autograd.graph.disable_saved_tensors_hooks()``: the runtime's calls
+  register saved-tensor hooks of their own, which the loop does not.
 
 In any of these modes the entry points (:func:`moe_autograd.parallel_apply`,
 :func:`moe_autograd.map_with_parallel_backward`) run the calls sequentially on
@@ -22,7 +24,7 @@ The entry points are also opaque to ``torch.compile``
 (:func:`opaque_to_dynamo`): dynamo would otherwise trace into the pool's
 threads and finalizers; it breaks the graph around them instead.
 
-Invariants: :func:`sequential_mode` costs two attribute reads and never
+Invariants: :func:`sequential_mode` costs four cheap reads and never
 looks at the tensors; :func:`opaque_to_dynamo` never imports
 dynamo itself (seconds of import time), it only uses it once something else
 has.
@@ -38,6 +40,10 @@ from torch.autograd import graph as _graph
 __all__ = ["sequential_mode", "check_parallel_mode", "functorch_active", "opaque_to_dynamo"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+#: Whether saved-tensor hooks may be registered on this thread (False inside
+#: ``disable_saved_tensors_hooks``); not in torch's type stubs.
+_hooks_enabled: Callable[[], bool] = getattr(torch._C._autograd,
+                                             "_saved_tensors_hooks_is_enabled", lambda: True)
 _disabled: Dict[Callable[..., Any], Callable[..., Any]] = {}
 
 
@@ -79,6 +85,11 @@ def sequential_mode(tree: Any) -> Optional[str]:
         # thread's: calls on workers, or recomputed in backward, would mutate
         # the tensors their backward reads (issue 46).
         return "torch.autograd.graph.allow_mutation_on_saved_tensors()"
+    if not _hooks_enabled():
+        # The runtime's calls pack what they save through hooks of their own
+        # (and a checkpointed call's forward keeps nothing through them): the
+        # loop registers none, so it runs here (issue 46).
+        return "torch.autograd.graph.disable_saved_tensors_hooks()"
     return None
 
 

@@ -1669,3 +1669,20 @@ def test_allow_mutation_on_saved_tensors_gives_the_loops_gradients(mode: str,
         outs = parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint)
         got = torch.autograd.grad(sum(o.sum() for o in outs), xs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+def test_disable_saved_tensors_hooks_computes_as_the_loop(mode: str, checkpoint: bool) -> None:
+    """(issue 46) Under ``disable_saved_tensors_hooks(message)`` the loop
+    registers no hook and computes; so do the calls, run as the loop (before:
+    the user's message was raised from the runtime's own hooks, naming no
+    call)."""
+    torch.manual_seed(0)
+    experts = [nn.Linear(4, 4).double() for _ in range(3)]
+    xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
+    want = torch.autograd.grad(sum(e(x).sum() for e, x in zip(experts, xs)), xs)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks here"):
+        outs = parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint)
+        got = torch.autograd.grad(sum(o.sum() for o in outs), xs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
