@@ -749,21 +749,27 @@ class ModuleCall(IsolatedCall):
         if not pairs:
             return [None] * len(self.inputs)
         targets = self._grad_leaves + self.params
+        # A parameter whose requires_grad the user turned off since the forward
+        # gets no gradient, as in the loop (its graph no longer accumulates it).
+        live = [k for k, t in enumerate(targets) if t.requires_grad]
         follow = self._kept.roots if self._kept is not None else []
         split = self._split
         try:
             with split.capture() if split is not None else nullcontext():
-                computed = torch.autograd.grad([p[0] for p in pairs],
-                                               targets + [outputs[r] for r in follow],
-                                               [p[1] for p in pairs],
-                                               retain_graph=self.retain_graph,
-                                               allow_unused=True)
+                found = torch.autograd.grad([p[0] for p in pairs],
+                                            [targets[k] for k in live]
+                                            + [outputs[r] for r in follow],
+                                            [p[1] for p in pairs],
+                                            retain_graph=self.retain_graph,
+                                            allow_unused=True)
             if follow:
                 # Handed here, as the call's backward ends: the engine may never
                 # take its input gradients (backward(inputs=...) naming no tensor
                 # of this call's but one it computes further from).
-                self._kept.hand(list(computed[len(targets):]))  # type: ignore[union-attr]
-                computed = computed[:len(targets)]
+                self._kept.hand(list(found[len(live):]))  # type: ignore[union-attr]
+            computed: List[Optional[Tensor]] = [None] * len(targets)
+            for k, grad in zip(live, found):
+                computed[k] = grad
         except RuntimeError as error:
             if "use_reentrant" not in str(error):
                 raise

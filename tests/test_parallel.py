@@ -1686,3 +1686,28 @@ def test_disable_saved_tensors_hooks_computes_as_the_loop(mode: str, checkpoint:
         outs = parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint)
         got = torch.autograd.grad(sum(o.sum() for o in outs), xs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(
+        mode: str, checkpoint: bool) -> None:
+    """(issue 46) ``requires_grad_(False)`` on an expert's weights after the
+    forward: the loop computes and leaves their ``.grad`` None; so do the
+    calls (before: torch's "One of the differentiated Tensors does not
+    require grad", naming no call)."""
+    torch.manual_seed(0)
+    experts = [nn.Linear(4, 4).double() for _ in range(3)]
+    loop = copy.deepcopy(experts)
+    xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    want = [e(x) for e, x in zip(loop, lxs)]
+    outs = parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint)
+    for e in [*experts, *loop]:
+        e.weight.requires_grad_(False)
+    sum(o.sum() for o in outs).backward()
+    sum(o.sum() for o in want).backward()
+    for ours, theirs in zip(experts, loop):
+        assert ours.weight.grad is None and theirs.weight.grad is None
+        assert torch.equal(ours.bias.grad, theirs.bias.grad)
+    assert all(torch.equal(x.grad, lx.grad) for x, lx in zip(xs, lxs))
