@@ -323,12 +323,21 @@ class _Activation:
             return gen
         copy = self.copies.get(key)
         if copy is None:
-            found = (stream._explicit or {}).get(key)
+            recorded = stream._explicit or {}
+            found = recorded.get(key)
+            if found is None:
+                # A generator the expert builds in its forward is a new object
+                # in the recomputation: the forward's, if it starts at the
+                # state one of the forward's had at its first use (issue 46).
+                state = gen.get_state()
+                found = next((f for f in recorded.values() if f[0].device == gen.device
+                              and torch.equal(f[1], state)), None)
             if found is None:
                 raise RuntimeError(
-                    "a replay of a checkpointed call draws from a torch.Generator its forward "
-                    "did not draw from: the function is not deterministic given its inputs and "
-                    "its random stream, so it cannot be recomputed exactly")
+                    "a replay of a checkpointed call draws from a torch.Generator that its "
+                    "forward did not draw from, at a state none of the forward's generators "
+                    "started at: a generator the expert builds in forward must be seeded the "
+                    "same way every time (or pass one in); else call it with checkpoint=False")
             copy = self.copies[key] = torch.Generator(device=gen.device)
             copy.set_state(found[1])
         return copy

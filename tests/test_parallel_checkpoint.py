@@ -764,3 +764,25 @@ def test_the_callers_pack_hooks_see_what_a_checkpointed_call_saves(mode: str) ->
     with pytest.raises(ValueError, match="no saving here"):
         with torch.autograd.graph.saved_tensors_hooks(refuse, back):
             parallel_apply(experts, xs, mode=mode, checkpoint=True)
+
+
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+def test_a_generator_built_and_seeded_in_forward_is_replayed(mode: str) -> None:
+    """(issue 46) An expert that builds and seeds a ``torch.Generator`` in
+    its forward: its checkpointed recomputation draws what the forward drew
+    (before: "not deterministic", which it is)."""
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4).double()
+
+        def forward(self, x: Tensor) -> Tensor:
+            g = torch.Generator().manual_seed(3)
+            return self.lin(x) * (torch.rand(x.shape, generator=g, dtype=x.dtype) > 0.5)
+    torch.manual_seed(0)
+    experts = [Masked() for _ in range(3)]
+    xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
+    want = torch.autograd.grad(sum(e(x).sum() for e, x in zip(experts, xs)), xs)
+    outs = parallel_apply(experts, xs, mode=mode, checkpoint=True)
+    got = torch.autograd.grad(sum(o.sum() for o in outs), xs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

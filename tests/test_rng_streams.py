@@ -220,14 +220,16 @@ def test_an_explicit_generator_replays_every_draw_of_the_forward():
 def test_a_replay_drawing_from_a_generator_its_forward_did_not_raises():
     stream = CallRng(4)
     with stream.activate():
-        torch.rand(1, generator=torch.Generator())
-    with stream.activate():
-        with pytest.raises(RuntimeError) as info:
-            torch.rand(1, generator=torch.Generator())
+        first = torch.rand(3, generator=torch.Generator().manual_seed(1))
+    with stream.activate():  # a new generator at the state the forward's started at: replayed
+        assert torch.equal(torch.rand(3, generator=torch.Generator().manual_seed(1)), first)
+        with pytest.raises(RuntimeError) as info:  # at another state: not the forward's draws
+            torch.rand(1, generator=torch.Generator().manual_seed(2))
     assert str(info.value) == (
-        "a replay of a checkpointed call draws from a torch.Generator its forward did not draw "
-        "from: the function is not deterministic given its inputs and its random stream, so it "
-        "cannot be recomputed exactly")
+        "a replay of a checkpointed call draws from a torch.Generator that its forward did not "
+        "draw from, at a state none of the forward's generators started at: a generator the "
+        "expert builds in forward must be seeded the same way every time (or pass one in); "
+        "else call it with checkpoint=False")
 
 
 def test_two_calls_of_a_batch_sharing_a_generator_raise():
