@@ -1711,3 +1711,24 @@ def test_a_parameter_frozen_between_forward_and_backward_gets_no_gradient(
         assert ours.weight.grad is None and theirs.weight.grad is None
         assert torch.equal(ours.bias.grad, theirs.bias.grad)
     assert all(torch.equal(x.grad, lx.grad) for x, lx in zip(xs, lxs))
+
+
+class _Tagged(torch.Tensor):
+    """A ``__torch_function__`` subclass that only tags its results."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known limit (issue 46, README semantics table): in lanes/parallel "
+                          "the node's outputs are plain tensors; a __torch_function__ subclass "
+                          "the loop's outputs have is lost (values and gradients are equal)")
+def test_a_tensor_subclass_comes_back_as_the_loops() -> None:
+    experts = [nn.Linear(4, 4) for _ in range(2)]
+    xs = [torch.randn(2, 4).as_subclass(_Tagged) for _ in experts]
+    want = [e(x) for e, x in zip(experts, xs)]
+    outs = parallel_apply(experts, xs, mode="parallel")
+    assert all(torch.equal(a, b) for a, b in zip(outs, want))  # values: equal
+    assert [type(o) for o in outs] == [type(w) for w in want]
