@@ -260,19 +260,28 @@ def _drop(t: Tensor) -> None:
     return None
 
 
-def _saving_nothing(name: str) -> Any:
+def _saving_nothing(name: str, watch: Optional[Dict[int, Tensor]] = None,
+                    seen: Optional[List[Tuple[Tensor, int]]] = None) -> Any:
     """Saved-tensor hooks that keep nothing: a checkpointed call's forward
     runs with grad on, as the loop's, and keeps only its graph's shape. A
     backward through that graph (the expert's own, inside its forward; or the
     caller's, through a tensor the expert left elsewhere than its result and
-    its plain tensor attributes) raises, naming the call."""
+    its plain tensor attributes) raises, naming the call. Of the tensors in
+    ``watch`` (by id: the expert's buffers), those the forward saves go to
+    ``seen`` with their version (the loop's saved-tensor check, see
+    :meth:`ModuleCall._check_saved_buffers`)."""
+    def pack(t: Tensor) -> None:
+        if watch is not None and seen is not None and watch.get(id(t)) is t:
+            seen.append((t, t._version))
+        return None
+
     def unreachable(packed: None) -> Tensor:
         raise RuntimeError(
             f"{name}: a backward reached the checkpointed call's forward graph (autograd.grad or "
             "backward inside the expert's forward, or a tensor the expert left in a list, a "
             "closure or a global), which keeps nothing for backward: return that tensor from "
             "the expert, or call it with checkpoint=False")
-    return torch.autograd.graph.saved_tensors_hooks(_drop, unreachable)
+    return torch.autograd.graph.saved_tensors_hooks(pack if watch else _drop, unreachable)
 
 
 class ModuleCall(IsolatedCall):
@@ -342,6 +351,8 @@ class ModuleCall(IsolatedCall):
         self.result: Any = None
         #: The expert's module tree, once walked (see :meth:`order_keys`).
         self._submodules: Optional[List[nn.Module]] = None
+        #: The buffers a checkpointed forward saved, with their versions then.
+        self._saved_buffers: List[Tuple[Tensor, int]] = []
         #: Positions of the roots its graph consumes, and how they get their
         #: whole gradient (see :mod:`moe_autograd.kept`).
         self._consumed: List[int] = []
@@ -398,7 +409,12 @@ class ModuleCall(IsolatedCall):
             first = _next_sequence_nr()
             params = ([(p, p._version) for p in module.parameters()]
                       if isinstance(module, nn.Module) else [])
-            with _saving_nothing(self.name), enable_checkpointing(), self.rng.activate():
+            watch = ({id(b): b for m in self._submodules or submodules(module)
+                      for b in m._buffers.values() if b is not None}
+                     if isinstance(module, nn.Module) else {})
+            self._saved_buffers = []
+            with _saving_nothing(self.name, watch, self._saved_buffers), enable_checkpointing(), \
+                    self.rng.activate():
                 try:
                     result = self._call()
                 except RuntimeError as error:
@@ -739,8 +755,23 @@ class ModuleCall(IsolatedCall):
         finally:
             self._in_backward -= 1
 
+    def _check_saved_buffers(self) -> None:
+        """A checkpointed call's forward saved these buffers (BatchNorm's
+        running statistics in eval mode, say): one modified in place since
+        fails the backward, as the loop's saved-tensor check does (the
+        recomputation would read the forward's copy and compute)."""
+        for buffer, version in self._saved_buffers:
+            if buffer._version != version:
+                raise RuntimeError(
+                    f"{self.name}: one of the variables needed for gradient computation has "
+                    f"been modified by an inplace operation: a buffer of the expert "
+                    f"({list(buffer.shape)}, version {buffer._version}; expected version "
+                    f"{version}) that the checkpointed call's forward saved for backward was "
+                    f"modified after the call, as in the loop")
+
     def _backward(self, grad_outputs: Grads) -> Grads:
         if self.checkpoint:
+            self._check_saved_buffers()
             self._wait_recompute()
         outputs = self._local_outputs
         assert outputs is not None
@@ -791,6 +822,7 @@ class ModuleCall(IsolatedCall):
         self.params = []
         self.outputs = []
         self._grad_leaves = []
+        self._saved_buffers = []
         self._leaves = None
         self._local_outputs = None
         self._recompute = None

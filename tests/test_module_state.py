@@ -359,3 +359,28 @@ def test_a_shared_torch_nn_teacher_updated_in_forward_is_not_ordered() -> None:
     meet[0] = threading.Barrier(3, timeout=20)
     outs = parallel_apply(ours, xs, mode="parallel")
     assert all(torch.equal(a, b) for a, b in zip(outs, want))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_saved_buffer_modified_after_a_checkpointed_call_raises_as_in_the_loop(
+        mode: str, several_lanes: int) -> None:
+    """(issue 46) An eval-mode BatchNorm saves its running statistics for
+    backward; the user resets them before backward: the loop raises
+    "modified by an inplace operation", and so does the checkpointed call,
+    naming it (before: its recomputation read the forward's copy and
+    computed)."""
+    torch.manual_seed(0)
+    experts = [nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D)).double().eval()
+               for _ in range(2)]
+    xs = [torch.randn(3, D, dtype=torch.float64, requires_grad=True) for _ in experts]
+    loop = copy.deepcopy(experts)
+    want = _loop(loop, xs)
+    outs = parallel_apply(experts, xs, checkpoint=True, mode=mode)
+    for e in [*experts, *loop]:
+        e[1].running_var.fill_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        sum(o.sum() for o in want).backward()
+    with pytest.raises(RuntimeError, match=r"call \d of 2: one of the variables needed for "
+                                           r"gradient computation has been modified by an "
+                                           r"inplace operation: a buffer of the expert"):
+        sum(o.sum() for o in outs).backward()
