@@ -611,6 +611,57 @@ def _on_device_thread(plan: _Plan, active: List[int]) -> bool:
     return any(device.type != "cpu" for i in active for _, _, device in plan.output_meta[i])
 
 
+def _hook_keys(call: Any) -> List[int]:
+    """The modules of ``call``'s expert that have backward hooks (full ones:
+    ``register_full_backward_hook``, or pre-hooks), by id; ``[0]`` for every
+    call while global ones exist: what must fire in the loop's order."""
+    module = getattr(call, "module", None)
+    if not isinstance(module, torch.nn.Module):
+        return []
+    hooks = torch.nn.modules.module
+    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+        return [0]
+    tree = getattr(call, "_submodules", None) or list(module.modules())
+    return [id(m) for m in tree if m._backward_hooks or m._backward_pre_hooks]
+
+
+def _hooks_in_order(calls: Sequence[Any], tasks: List[Callable[[], Any]]
+                    ) -> List[Callable[[], Any]]:
+    """The backward tasks (in the engine's order: later calls first), each
+    call that reaches a module with backward hooks an earlier task's call
+    also reaches starting only once that one ended: the hooks fire in the
+    loop's order (issue 46; before, in ``parallel`` mode, in whichever order
+    the workers finished). A waiting task blocks its thread, which cannot
+    deadlock: tasks start in order, so the ones it waits for have started."""
+    last: Dict[int, int] = {}
+    waits: List[List[int]] = []
+    for k, call in enumerate(calls):
+        before: List[int] = []
+        for key in _hook_keys(call):
+            j = last.get(key)
+            if j is not None and j not in before:
+                before.append(j)
+            last[key] = k
+        waits.append(before)
+    if not any(waits):
+        return tasks
+    done = {j: threading.Event() for before in waits for j in before}
+
+    def ordered(k: int, task: Callable[[], Any]) -> Callable[[], Any]:
+        before, mine = [done[j] for j in waits[k]], done.get(k)
+
+        def run() -> Any:
+            try:
+                for event in before:
+                    event.wait()
+                return task()
+            finally:
+                if mine is not None:
+                    mine.set()
+        return run
+    return [ordered(k, t) if waits[k] or k in done else t for k, t in enumerate(tasks)]
+
+
 class _Pass:
     """One backward pass of a node's calls.
 
@@ -712,9 +763,12 @@ class _Pass:
         lanes = 1 if self.inline else plan.lanes
         if self.deadline is not None and not self.inline:
             lanes = None  # under a deadline the caller never runs a call itself
+        tasks = [task(i) for i in order]
+        if lanes != 1:  # (one lane runs them in this order anyway)
+            tasks = _hooks_in_order([calls[i] for i in order], tasks)
         self.group = collect.submit_backwards(
             [calls[i] for i in order], [per_call[i] for i in order],
-            [task(i) for i in order], lanes, finish,
+            tasks, lanes, finish,
             deadline=None if policy is None else policy.timeout)
 
     def _left(self) -> Optional[float]:
