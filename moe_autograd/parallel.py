@@ -96,19 +96,6 @@ def _per_call(value: Union[bool, Sequence[bool]], n: int, what: str) -> List[boo
     return [bool(v) for v in values]
 
 
-def _caller_pack_hooks() -> bool:
-    """Whether the caller runs under ``saved_tensors_hooks`` of its own (not
-    ``torch.utils.checkpoint``'s frames, not this runtime's). Checkpointed
-    calls then run without checkpointing: what they save goes through the caller's
-    pack hooks in forward, as in the loop (a lossy pack, a pack that raises),
-    where a recomputation in backward would save past them."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    if hooks is None:
-        return False
-    origin = str(getattr(hooks[0], "__module__", "") or "")
-    return not origin.startswith(("torch.utils.checkpoint", "moe_autograd"))
-
-
 def _import_lazy_modules() -> None:
     """PyTorch imports sympy on the first backward with explicit gradients,
     which takes seconds: paid here, on the caller's thread, before any
@@ -127,8 +114,6 @@ def _make_calls(modules: Sequence[Expert], inputs: Sequence[Any],
     on its own: see :func:`~moe_autograd.rng.mark_concurrent`)."""
     n = len(modules)
     flags = _per_call(checkpoint, n, "checkpoint")
-    if any(flags) and _caller_pack_hooks():
-        flags = [False] * n  # the loop's saved tensors, through the caller's hooks (issue 46)
     state = capture()
     rngs = CallRng.fork_many(n)
     if lanes is None or lanes > 1:
