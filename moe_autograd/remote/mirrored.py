@@ -144,7 +144,8 @@ class View:
             return [w for w in candidates if w not in self.known
                     or self.known.get(w) == self.truth]
 
-    def learn(self, worker: str, info: Any, live: Sequence[str] = ()) -> None:
+    def learn(self, worker: str, info: Any, live: Sequence[str] = (),
+              direct: Optional[Direct] = None) -> None:
         """What a forward that asked (:meth:`asks`) found: ``[training,
         count, digest]`` of the state it ran at. Raises
         :class:`RemoteExpertError` when that is not the truth: the answer is
@@ -161,6 +162,17 @@ class View:
             if not training:
                 return
             self.known[worker] = (count, digest)
+            if self.truth is None and direct is not None:
+                # The first answer of a training name: the truth is the most
+                # advanced live replica's (a trainer that restarted may meet a
+                # replica that resumed from an older snapshot first), so ask
+                # the others once before taking this one's.
+                for other in live:
+                    if other != worker and other not in self.known:
+                        self._ask(other, direct)
+                best = max((w for w in live if w in self.known), default=worker,
+                           key=lambda w: self.known[w][0])
+                self.truth = self.known[best] if self.known[best][0] > count else (count, digest)
             if self.truth is None or count > self.truth[0]:
                 if self.truth is not None:
                     _log.warning("replica %r of expert %r is at version %d, past this "
@@ -214,8 +226,11 @@ class View:
             return
         self.known[worker] = (state.steps + state.skipped_steps, state.lineage)
         self.resyncs += 1
-        _log.info("replica %r of expert %r was at version %d; it took %r's state (version %d)",
-                  worker, self.name, have[0], source, self.known[worker][0])
+        ahead = have[0] > self.known[worker][0]  # its own steps past the truth are dropped
+        _log.log(logging.WARNING if ahead else logging.INFO,
+                 "replica %r of expert %r was at version %d; it took %r's state (version %d)%s",
+                 worker, self.name, have[0], source, self.known[worker][0],
+                 ": its later steps are dropped" if ahead else "")
 
     def forget(self, worker: str) -> None:
         """A fenced call of ``worker`` failed: ask its version again before the next."""

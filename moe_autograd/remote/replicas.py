@@ -205,7 +205,7 @@ class _Measured(RemoteExpert):
                 raise RemoteExpertError(f"{self._where('forward')} got a malformed reply: "
                                         f"{value!r:.200}")
             result = decode(value[:4])
-            view.learn(worker, value[4], fleet.replicas(name))
+            view.learn(worker, value[4], fleet.replicas(name), self.direct)
             return result
         job.decode = checked
         return job

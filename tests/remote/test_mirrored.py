@@ -136,3 +136,29 @@ def test_with_only_its_snapshots_the_trainer_goes_on_from_the_replacement(
     assert result["resumed_at"] == 6 and result["equal_at_resume"], result  # 7 or 8 done
     assert result["steps_after"] == 9 and result["equal_after"], result
     assert result["adopted"] == 1, result
+
+
+def test_the_first_answer_takes_the_most_advanced_live_replica_as_the_truth() -> None:
+    """A trainer that restarted meets a replica that resumed from an older
+    snapshot first: the view asks the other live replicas before it takes a
+    truth, so the behind one is out of sync (its answer unused) rather than
+    the truth the others are brought back to."""
+    from moe_autograd.remote.mirrored import OutOfSync, View
+
+    class Says:
+        def __init__(self, version: List[Any]) -> None:
+            self.version = version
+
+        def _control(self, what: str, payload: Any = None) -> Any:
+            assert what == "version"
+            return self.version
+    ahead = [True, 5, "b" * DIGEST_CHARS]
+    view = View("dur")
+    with pytest.raises(OutOfSync, match="version 3, this client's 5"):
+        view.learn("behind", [True, 3, "a" * DIGEST_CHARS], ["behind", "ahead"],
+                   lambda worker: Says(ahead))  # type: ignore[arg-type,return-value]
+    assert view.truth == (5, "b" * DIGEST_CHARS) and view.training
+    # alone, it is what there is: taken as it is
+    alone = View("dur")
+    alone.learn("only", [True, 3, "a" * DIGEST_CHARS], ["only"], lambda w: Says(ahead))  # type: ignore[arg-type,return-value]
+    assert alone.truth == (3, "a" * DIGEST_CHARS)
