@@ -189,7 +189,7 @@ class _Activation:
     """One ``with stream.activate():``. Holds the generators it created."""
 
     __slots__ = ("stream", "outer", "generators", "drew", "forks", "capture", "restored",
-                 "override", "replay", "copies", "_saved", "seeded")
+                 "override", "replay", "copies", "_saved", "seeded", "held")
 
     def __init__(self, stream: RandomStream, override: bool = False) -> None:
         self.stream = stream
@@ -210,6 +210,9 @@ class _Activation:
         #: explicit generators replay from copies (see :meth:`explicit`).
         self.replay = False
         self.copies: Dict[int, torch.Generator] = {}
+        #: The generators ``copies`` stand for, kept alive while it lasts: a
+        #: key is a C++ address, which a freed generator would hand on.
+        self.held: List[torch.Generator] = []
         self._saved = (False, False)
         #: The seed a ``torch.manual_seed`` inside this activation set (its
         #: generators for devices not drawn from yet start there too).
@@ -340,6 +343,7 @@ class _Activation:
                     "same way every time (or pass one in); else call it with checkpoint=False")
             copy = self.copies[key] = torch.Generator(device=gen.device)
             copy.set_state(found[1])
+            self.held.append(gen)
         return copy
 
     def _owns(self, gen: torch.Generator) -> bool:
