@@ -75,12 +75,14 @@ from .errors import RemoteAuthError, RemoteExpertError
 from .lineage import Version, after
 from .transport import TransportError, TransportTimeout, when_done
 
-__all__ = ["View", "OutOfSync", "view_of", "MIRROR_GRACE_S", "QUERY_TIMEOUT_S"]
+__all__ = ["View", "OutOfSync", "view_of", "MIRROR_GRACE_S", "QUERY_TIMEOUT_S", "ASK_TIMEOUT_S"]
 
 #: How long a backward waits for the other replicas once one answered.
 MIRROR_GRACE_S = 2.0
-#: The deadline of a version query or a resync's transfer.
+#: The deadline of a resync's transfer.
 QUERY_TIMEOUT_S = 30.0
+#: The deadline of a version question (asked under the name's lock).
+ASK_TIMEOUT_S = 5.0
 _log = logging.getLogger(__name__)
 Direct = Callable[[str], RemoteExpert]  # a replica's expert, by worker
 
@@ -203,7 +205,9 @@ class View:
         """Asks ``worker`` its version (a ``version`` control call); on a
         failure it stays unknown (its forwards ask again)."""
         try:
-            training, count, digest = direct(worker)._control("version")
+            expert = direct(worker)
+            expert.forward_timeout = ASK_TIMEOUT_S  # (a hung replica holds the name this long)
+            training, count, digest = expert._control("version")
         except (RemoteExpertError, ValueError, TypeError) as error:
             _log.info("replica %r of expert %r did not say its version: %s", worker, self.name,
                       error)

@@ -499,3 +499,39 @@ def test_amplifying_requests_keep_the_servers_peak_memory_bounded() -> None:
         bound = result["received"] + 10 * amplify._body_within() + 8 * MiB
         assert result["peak"] <= bound, result
         assert result["exact_after"], result
+
+
+@pytest.mark.timeout(60)
+def test_a_member_that_opens_sessions_without_end_locks_no_client_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(issue 45, item 5, end to end) A member opens far more sessions than
+    the server keeps windows for, one real call each: a client that was
+    calling before, and a new one, are served at once, and the step after
+    is exact against a local copy of the expert."""
+    from wiring import SECRET
+
+    monkeypatch.setattr(auth, "MAX_SESSIONS", 32)
+    torch.manual_seed(0)
+    module = nn.Linear(4, 4)
+    server = ExpertServer({"lim_sessions": module}, transport=InProcess(HERE))
+    try:
+        def client() -> RemoteExpert:
+            return RemoteExpert(HERE, "lim_sessions", transport=InProcess(HERE), secret=SECRET)
+        x = torch.randn(2, 4)
+        before = auth.session_for(SECRET)
+        client()(x)  # a client calling before the flood
+        for _ in range(200):  # a member opening a session per call
+            monkeypatch.setitem(auth._sessions, SECRET.key_id, Session(SECRET))
+            client()(x)
+        for session in (before, Session(SECRET)):  # the earlier client, and a new one
+            monkeypatch.setitem(auth._sessions, SECRET.key_id, session)
+            xs = x.clone().requires_grad_()
+            out = client()(xs)
+            local = x.clone().requires_grad_()
+            want = module(local)
+            assert torch.equal(out, want.detach())
+            out.sum().backward()
+            want.sum().backward()
+            assert torch.equal(xs.grad, local.grad)
+    finally:
+        server.close()
