@@ -211,10 +211,12 @@ def loss_at_replacement(losses: Sequence[float], kill_at: int, resumed_at: int,
 
 
 
-def steps_of(fleet: Any, server: str, experts: Sequence[str]) -> Dict[str, Optional[int]]:
+def steps_of(fleet: Any, server: str, experts: Sequence[str],
+             field: str = "expert_steps") -> Dict[str, Optional[int]]:
     """The optimizer steps of ``experts`` on ``server`` as its server counts
-    them (asked through ``fleet``'s transport: either engine's fleet); None
-    for one that did not answer."""
+    them (``field="expert_resumed_steps"``: the step each resumed at), asked
+    through ``fleet``'s transport (either engine's fleet); None for one that
+    did not answer or did not resume."""
     from .remote import RemoteExpert
 
     steps: Dict[str, Optional[int]] = {}
@@ -222,7 +224,8 @@ def steps_of(fleet: Any, server: str, experts: Sequence[str]) -> Dict[str, Optio
         try:
             stats = RemoteExpert(server, name, transport=fleet.transport, secret=fleet.secret,
                                  forward_timeout=5.0).remote_stats()
-            steps[name] = int(stats["expert_steps"])
+            value = stats.get(field)
+            steps[name] = None if value is None else int(value)
         except Exception:  # noqa: BLE001 - told as unknown, not fatal
             steps[name] = None
     return steps
@@ -240,10 +243,11 @@ def resumed_steps(fleet: Any, experts: Sequence[Any], server: str,
     server's steps): the steps since its last snapshot are lost, and the
     trainer goes on from there by itself (no replica at its version lives:
     :mod:`~moe_autograd.remote.mirrored`, a WARNING naming the steps lost)."""
-    steps = steps_of(fleet, server, [expert.name for expert in experts])
+    steps = steps_of(fleet, server, [expert.name for expert in experts],
+                     "expert_resumed_steps")
     said = []
     for name, now in steps.items():
         had = before.get(name)
         lost = "" if had is None or now is None else f" of {had}: {had - now} step(s) lost"
-        said.append(f"{name} at step {'?' if now is None else now}{lost}")
+        said.append(f"{name} resumed at step {'?' if now is None else now}{lost}")
     return ", ".join(said)

@@ -303,8 +303,9 @@ class ExpertServer:
         self.batch_window, self.max_batch_rows = float(batch_window), max_batch_rows
         self.snapshots: Optional[Snapshots] = None
         #: Where each expert's state came from, if not from its factory
-        #: (``"snapshot PATH (step N)"``, ``"peer W (step N)"``).
+        #: (``"snapshot PATH (step N)"``, ``"peer W (step N)"``), and its step then.
         self.resumed: Dict[str, str] = {}
+        self.resumed_steps: Dict[str, int] = {}
         if state_dir is not None:  # resumed before any request can reach them
             self.snapshots = Snapshots(state_dir, list(hosted), self.secrets[0],
                                        save_every=save_every, save_interval=save_interval)
@@ -417,6 +418,7 @@ class ExpertServer:
                 self.snapshots.save(name, _captured(hosted))
             steps = hosted.steps
         self.resumed[name] = f"{source} (step {steps})"
+        self.resumed_steps[name] = steps
         _log.info("expert %r resumed from %s (step %d)", name, source, steps)
         return steps
 
@@ -732,6 +734,7 @@ def _resume(hosted: _Hosted, snapshots: Snapshots) -> None:
     with hosted.lock:
         _apply_state(hosted, state, f"snapshot {path}")
     hosted.server.resumed[hosted.name] = f"snapshot {path} (step {state.steps})"
+    hosted.server.resumed_steps[hosted.name] = state.steps
     _log.info("expert %r resumed from snapshot %s (step %d)", hosted.name, path, state.steps)
 
 
@@ -1037,6 +1040,7 @@ def _control(hosted: _Hosted, what: Any, payload: Any, caller: Optional[Caller] 
         return dict(hosted.server.stats(), expert=hosted.name,
                     optimizer=hosted.optimizer is not None, auto_step=hosted.server.auto_step,
                     expert_skipped_steps=hosted.skipped_steps, expert_steps=hosted.steps,
+                    expert_resumed_steps=hosted.server.resumed_steps.get(hosted.name),
                     expert_batches=hosted.gather.stats() if hosted.gather is not None else None,
                     expert_batched_no_more=hosted.alone)
     raise ValueError(f"unknown control operation {what!r:.40} for expert {hosted.name!r}; "
