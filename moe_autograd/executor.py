@@ -70,12 +70,13 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Generic, List, Optional, Sequence, Set, TypeVar
+from typing import Any, Callable, Deque, Dict, Generic, List, Optional, Sequence, Set, TypeVar
 
 import torch
 
 __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled", "check_timeout",
-           "MAX_TIMEOUT_S", "release_free_memory", "is_interruption", "WORKER_THREADS"]
+           "MAX_TIMEOUT_S", "release_free_memory", "is_interruption", "WORKER_THREADS",
+           "predecessors"]
 
 T = TypeVar("T")
 
@@ -577,3 +578,22 @@ def run_all(fns: Sequence[Callable[[], T]], what: Optional[str] = "call", *,
     group.wait()
     group.raise_first_error(what)
     return group.results  # type: ignore[return-value]
+
+
+def predecessors(keys: Sequence[Sequence[int]]) -> List[List[int]]:
+    """For each task (in the order they start), the earlier tasks it must
+    wait for: per key it shares, the last earlier task with that key (tasks
+    that share a key then run one after another, in order). Used for calls
+    that reach one stateful module (forward, :mod:`moe_autograd.parallel`)
+    and for backwards that reach one hooked module (:mod:`moe_autograd.node`)."""
+    last: Dict[int, int] = {}
+    waits: List[List[int]] = []
+    for i, task_keys in enumerate(keys):
+        before: List[int] = []
+        for key in task_keys:
+            j = last.get(key)
+            if j is not None and j not in before:
+                before.append(j)
+            last[key] = i
+        waits.append(before)
+    return waits

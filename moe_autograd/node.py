@@ -84,7 +84,7 @@ import torch
 from torch import Tensor
 
 from . import collect
-from .executor import is_interruption, on_worker
+from .executor import is_interruption, on_worker, predecessors
 from .phony import get_phony
 from .saved import CallSaves
 from .tls import bind, capture
@@ -633,16 +633,7 @@ def _hooks_in_order(calls: Sequence[Any], tasks: List[Callable[[], Any]]
     loop's order (issue 46; before, in ``parallel`` mode, in whichever order
     the workers finished). A waiting task blocks its thread, which cannot
     deadlock: tasks start in order, so the ones it waits for have started."""
-    last: Dict[int, int] = {}
-    waits: List[List[int]] = []
-    for k, call in enumerate(calls):
-        before: List[int] = []
-        for key in _hook_keys(call):
-            j = last.get(key)
-            if j is not None and j not in before:
-                before.append(j)
-            last[key] = k
-        waits.append(before)
+    waits = predecessors([_hook_keys(call) for call in calls])
     if not any(waits):
         return tasks
     done = {j: threading.Event() for before in waits for j in before}

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_flatten
 
 from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
-from .executor import CallCancelled, TaskGroup, is_interruption
+from .executor import CallCancelled, TaskGroup, is_interruption, predecessors
 from .call_streams import Ready, record_ready
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
@@ -182,16 +182,7 @@ def _in_call_order(calls: Sequence[ModuleCall], tasks: List[Callable[[], ModuleC
     start in call order, so the calls it waits for have started already. A
     call whose predecessor was interrupted (:func:`is_interruption`) does
     not run, as the loop stops there."""
-    last: Dict[int, int] = {}  # key -> the last call reaching it so far
-    waits: List[List[int]] = []
-    for i, call in enumerate(calls):
-        before: List[int] = []
-        for key in call.order_keys():
-            j = last.get(key)
-            if j is not None and j not in before:
-                before.append(j)
-            last[key] = i
-        waits.append(before)
+    waits = predecessors([call.order_keys() for call in calls])
     if not any(waits):
         return tasks
     awaited = {j for before in waits for j in before}
