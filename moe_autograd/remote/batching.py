@@ -110,7 +110,7 @@ class Job:
     worker 'w'``) and ``limit()`` the transport's timeout; ``decode(value)``
     turns the server's ``["ok", value]`` into the call's result (raising
     :class:`RemoteExpertError` if malformed); ``abandon()``, if set, runs when
-    the caller gives up on the call (deadline, Ctrl-C). ``deliver()``, if
+    the caller gives up on the call (deadline, Ctrl-C). ``deliver(job)``, if
     set, obtains the reply by the caller's own means instead of sending
     ``message`` to ``worker`` (a fleet's backward of a training expert goes to
     every replica: :mod:`.mirrored`); it raises as a sent request would."""
@@ -128,7 +128,7 @@ class Job:
         #: When the caller needs the answer (its deadline, or the pass's if
         #: sooner): the server holds no ready answer back past it.
         self.answer_by = timeout
-        self.deliver: Optional[Callable[[], Any]] = None
+        self.deliver: Optional[Callable[["Job"], Any]] = None
 
     @property
     def op(self) -> str:
@@ -168,7 +168,7 @@ def run_sync(job: Job) -> Any:
     start = time.monotonic()
     try:
         if job.deliver is not None:
-            reply = job.deliver()
+            reply = job.deliver(job)  # (given the job, so it need not hold it: no cycle)
         else:
             pending = send_request(job.transport, job.worker, job.message, job.timeout,
                                    secret=job.secret, label=job.op)

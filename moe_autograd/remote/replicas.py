@@ -214,9 +214,10 @@ class _Measured(RemoteExpert):
                       grads: Sequence[Optional[Tensor]]) -> Job:
         job = super()._backward_job(call, args, grads)
         view, fleet, name, direct = self.view, self.fleet, self.name, self.direct
+        call_id = call.call_id
         if view.training:  # every in-sync replica applies it (.mirrored)
-            job.deliver = lambda: view.deliver(job, call.call_id, fleet.replicas(name),
-                                               fleet.suspect, direct)
+            job.deliver = lambda sent: view.deliver(sent, call_id, fleet.replicas(name),
+                                                    fleet.suspect, direct)
         return job
 
     def _job(self, what: str, message: Dict[str, Any], timeout: Optional[float],
