@@ -46,8 +46,10 @@ warnings (refused requests, ...) among them.
 
 Invariant: the process exits with status 0 after a signal or the world's end,
 and 2 on bad arguments (argparse, or no usable secret, or a Ray without token
-authentication); with ``--join``, 75 if it could not join (start it again)
-and 3 if it was evicted (reaped while stopped); with ``--engine ray``, 1 if
+authentication); with ``--join``, 75 if it could not join (start it again),
+3 if it was evicted (reaped while stopped), and 76 if it left because its
+TensorPipe listener was closed and had already started again
+:data:`MAX_REJOINS` times (before that, it starts again by itself); with ``--engine ray``, 1 if
 its actor died (logged as an error; an actor that Ray restarts, with
 ``--max-restarts``, is waited for).
 """
@@ -61,12 +63,15 @@ from typing import Any, Callable, Dict, List, Mapping, NoReturn, Optional, Seque
 
 from ..logs import configure_cli
 
-from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
+from .auth import (ENV_ENCRYPT, ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret,
+                   set_job_secret)
 from .factory import load_object
 
 __all__ = ["main", "secret_main", "load_object", "build_parser"]
 
 MiB = 1 << 20
+MAX_REJOINS = 20  # serve --join starts again at most this many times (its listener closed)
+_REJOINS_ENV = "MOE_AUTOGRAD_SERVE_REJOINS"
 NON_FINITE_POLICIES = ("skip", "raise")  # as ExpertServer's (not imported: keeps --help light)
 
 
@@ -91,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "be sealed with the job's secret (--secret-file).")
     p.add_argument("--experts", required=True, metavar="MODULE:FUNCTION",
                    help="factory returning a dict name -> nn.Module")
+    p.add_argument("--encrypt", action="store_true",
+                   default=os.environ.get(ENV_ENCRYPT, "") == "1",
+                   help="the job encrypts its messages (AES-256-GCM; default: authenticated "
+                        "only, or $MOE_AUTOGRAD_ENCRYPT=1): every member of the job must say so "
+                        "too (JobSecret(..., encrypt=True)); a message in clear is refused")
     p.add_argument("--secret-file", metavar="PATH", default=os.environ.get(ENV_SECRET_FILE),
                    help="the job's secret (mode 600; default: $MOE_AUTOGRAD_SECRET_FILE, else "
                         "$MOE_AUTOGRAD_SECRET in hex); make one with 'python -m moe_autograd "
@@ -202,6 +212,9 @@ def _secret(args: argparse.Namespace) -> JobSecret:
         secret = JobSecret.from_file(args.secret_file) if args.secret_file else job_secret()
     except (MissingSecretError, PermissionError, ValueError) as error:
         _usage_error(str(error))
+    if getattr(args, "encrypt", False):
+        secret = secret.encrypting(True)
+        os.environ[ENV_ENCRYPT] = "1"  # (a Ray actor started from here reads it so too)
     set_job_secret(secret)
     return secret
 
@@ -355,18 +368,37 @@ def _serve(args: argparse.Namespace) -> int:
         _usage_error(f"cannot serve: {error}")
     halt_report = _report_served(server.served, args.report_every)
     if args.join:
-        from .elastic import default_name, serve_joined
+        from .elastic import EXIT_REJOIN, default_name, serve_joined
 
         try:
-            return serve_joined(server, args.name or default_name(), options,
-                                drain_timeout=args.drain_timeout, log=_log,
-                                recover=not args.no_recover)
+            status = serve_joined(server, args.name or default_name(), options,
+                                  drain_timeout=args.drain_timeout, log=_log,
+                                  recover=not args.no_recover)
         finally:
             halt_report()
+        if status == EXIT_REJOIN:
+            _start_again()
+        return status
     try:
         return _serve_static(args, server, name, options, sorted(experts))
     finally:
         halt_report()
+
+
+def _start_again() -> None:
+    """``serve --join`` left because its TensorPipe listener was closed
+    (:mod:`.elastic`): it starts again as a new process in this one
+    (``exec``, same pid and arguments), at most :data:`MAX_REJOINS` times,
+    so that a supervisor sees one process. Returns if it may not."""
+    done = int(os.environ.get(_REJOINS_ENV, "0") or 0)
+    if done >= MAX_REJOINS:
+        _log(f"not starting again: it already did {done} times")
+        return
+    os.environ[_REJOINS_ENV] = str(done + 1)
+    _log(f"starting again ({done + 1} of at most {MAX_REJOINS})")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
 
 
 def _serve_static(args: argparse.Namespace, server: Any, name: str, options: Any,

@@ -40,6 +40,10 @@ Lifecycle of a server (one incarnation = one process = one rank)::
               stopped (SIGSTOP) wakes up: it
               finds its (signed) eviction mark
               and exits
+    deaf      its TensorPipe listener was closed    as draining, then closed: a clean
+              (below): it leaves cleanly, and       leave; then as a new server
+              ``serve`` starts again as a new
+              process (a new rank)
 
 Invariants:
 
@@ -56,6 +60,19 @@ Invariants:
   the bytes and the time). With no live replica it keeps what it has (its
   snapshot, :mod:`.durable`, or its factory's weights: a WARNING names the
   expert when the fleet already had servers).
+* A member does not keep the world from growing. torch's TensorPipe agent
+  stops accepting for good after one failed accept (a TCP connect that
+  closes before TensorPipe's handshake: a port scan, a load balancer's
+  health check; torch 2.13), and every later join waits on that member
+  until it times out. The beat thread reads this process's listening
+  sockets from ``/proc`` every :data:`LISTENER_CHECK_S` seconds (never by
+  connecting); when one that ``init_rpc`` opened is gone, it logs an ERROR
+  and, where leaving loses nothing (every training expert it serves has a
+  snapshot directory or another live replica), leaves cleanly with reason
+  :data:`LISTENER_CLOSED`; ``serve --join`` then starts again in the same
+  process id (``exec``), resuming from its snapshot or a peer. Where leaving
+  would lose a training expert's state it stays and says so (the world
+  cannot grow until it is restarted).
 """
 import logging
 import os
@@ -63,7 +80,7 @@ import secrets
 import signal
 import threading
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from . import endpoint, membership, rpc_bind, stopping
 from .auth import JobSecret
@@ -72,11 +89,16 @@ from .rpc_engine import RpcTransport
 from .registry import RECORD_TTL_S, NameTaken, Registry, ServerRecord, observe_alive
 from .server import ExpertServer, set_host_info
 
-__all__ = ["ElasticServer", "serve_joined", "default_name"]
+__all__ = ["ElasticServer", "serve_joined", "default_name", "LISTENER_CLOSED",
+           "LISTENER_CHECK_S", "EXIT_REJOIN"]
 
 _log = logging.getLogger(__name__)
 
 MembershipError = membership.MembershipError
+
+LISTENER_CLOSED = "listener closed"  # why a server whose listener was closed left
+LISTENER_CHECK_S = 1.0  # how often the beat thread reads this process's listening sockets
+EXIT_REJOIN = 76  # serve_joined: it left because its listener was closed; start again now
 
 
 def _options_address(options: Any) -> Tuple[str, int]:
@@ -129,6 +151,7 @@ class ElasticServer:
         self._wake = threading.Event()   # wakes serve(): stop, eviction, world lost
         self._beat_thread: Optional[threading.Thread] = None
         self._record: Optional[ServerRecord] = None  # as published (renewed by the beats)
+        self._listeners: Set[str] = set()  # the sockets init_rpc opened (address:port)
         self._lock = threading.RLock()  # re-entrant: stop() may run in a signal handler
 
     def join(self) -> "ElasticServer":
@@ -149,9 +172,11 @@ class ElasticServer:
             self._beat_thread.start()
             stopping.track(self)
             window = 3 * self.beat_interval
+            before = set(rpc_bind.listening())
             membership.join_world(self.name, self.options, raw, self.rank,
                                   timeout=self.join_timeout,
                                   alive=lambda m: observe_alive(registry, m, window))
+            self._listeners = set(rpc_bind.listening()) - before
         except BaseException:
             self.state = "gone"
             self._halt.set()
@@ -224,11 +249,15 @@ class ElasticServer:
         registry = self._registry
         assert registry is not None
         failing_since: Optional[float] = None
-        renewed = time.monotonic()
+        renewed = checked = time.monotonic()
         while not self._halt.wait(self.beat_interval):
             try:
                 registry.beat(self.name, self.rank)
                 failing_since = None
+                if self.state == "serving" and self._listeners \
+                        and time.monotonic() - checked >= LISTENER_CHECK_S:
+                    checked = time.monotonic()
+                    self._check_listeners(registry)
                 if self.state == "serving" and self._record is not None \
                         and time.monotonic() - renewed > RECORD_TTL_S / 4:
                     registry.renew(self._record)  # signed records expire
@@ -244,6 +273,45 @@ class ElasticServer:
                 if now - failing_since >= self.lost_after:
                     self._signal("world ended")
                     return
+
+    def _check_listeners(self, registry: Registry) -> None:
+        """See the module docstring's last invariant."""
+        lost = sorted(self._listeners - set(rpc_bind.listening()))
+        if not lost:
+            return
+        self._listeners = set()  # said once
+        kept = self._would_lose(registry)
+        what = (f"this server's TensorPipe listener ({', '.join(lost)}) was closed: a "
+                f"connection that did not speak TensorPipe (a port scan, a health check) "
+                f"makes torch's RPC agent stop accepting, and no server can join the "
+                f"world while this one is a member")
+        if kept:
+            _log.error("%s; it stays, because leaving would lose the state of training "
+                       "expert(s) %s (no snapshot directory, no other live replica): "
+                       "restart it with a state directory to let the fleet grow", what,
+                       ", ".join(map(repr, kept)))
+            return
+        _log.error("%s; it leaves the world and starts again", what)
+        self._signal(LISTENER_CLOSED)
+
+    def _would_lose(self, registry: Registry) -> List[str]:
+        """The training experts that leaving now would lose the state of."""
+        try:
+            roster = {n: r for n, r in registry.roster().items() if n != self.name}
+            records = registry.records(list(roster))
+            alive = set(observe_alive(registry, roster, 3 * self.beat_interval)) \
+                if roster else set()
+        except Exception:  # noqa: BLE001 - the store is gone: count no peer
+            records, alive = {}, set()
+        lost = []
+        for server in self.servers:
+            for expert in server.names:
+                if server.version(expert) is None or server.snapshots is not None:
+                    continue
+                if not any(n in alive and r.state == "serving" and expert in r.experts
+                           for n, r in records.items()):
+                    lost.append(expert)
+        return sorted(lost)
 
     def _halt_at_exit(self) -> None:
         self._halt.set()
@@ -376,7 +444,8 @@ def serve_joined(servers: Union[ExpertServer, Sequence[ExpertServer]], name: str
     serve until SIGINT/SIGTERM, the coordinator's stop or the world's end, then
     leave cleanly. Returns the exit status: 0, 2 for an unusable name, 3 if
     this server was evicted (reaped while stopped), 75 (EX_TEMPFAIL) if it
-    could not join (start it again)."""
+    could not join (start it again), :data:`EXIT_REJOIN` if it left because
+    its listener was closed (``serve`` starts again at once)."""
     say = log or (lambda message: None)
     try:
         elastic = ElasticServer(servers, name, options=options, drain_timeout=drain_timeout,
@@ -401,7 +470,7 @@ def serve_joined(servers: Union[ExpertServer, Sequence[ExpertServer]], name: str
             return 75
         reason = elastic.serve()
         say(f"stopped ({reason})")
-        return 3 if reason == "evicted" else 0
+        return {"evicted": 3, LISTENER_CLOSED: EXIT_REJOIN}.get(reason, 0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -43,7 +43,8 @@ Invariants:
   on every path out of the critical section.
 * Never connect to a member's TensorPipe port by hand: on torch 2.13 a bare
   TCP connect-and-close makes the member's listener stop accepting (seen
-  here), so liveness comes from heartbeats in the store, never from probes.
+  here; an :class:`~.elastic.ElasticServer` notices and starts again), so
+  liveness comes from heartbeats in the store, never from probes.
 
 Uses private torch RPC internals (the agent's ``store``, ``join``,
 ``_update_group_membership``); :func:`check_support` says clearly when the

@@ -36,6 +36,9 @@ Invariants:
 
 * A store started by :func:`host_store` listens on ``host`` only (tested by
   reading the process's listening sockets).
+* :func:`listening` reads which TCP sockets a process listens on from
+  ``/proc`` (never by connecting: a bare connect-and-close makes a
+  TensorPipe listener stop accepting, :mod:`.elastic` watches for that).
 * :func:`bind_interface` never overrides a ``TP_SOCKET_IFNAME`` the user set,
   and leaves it unset when no interface can be found (TensorPipe's default).
 
@@ -56,11 +59,11 @@ import socket
 import struct
 import time
 import warnings
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 __all__ = ["host_store", "bind_interface", "interface_for", "start_rpc", "backend_options",
-           "is_loopback", "store_address", "await_members", "IFNAME_ENV", "ARRIVAL_NOTICE_S",
-           "ARRIVAL_TIMEOUT_S"]
+           "is_loopback", "store_address", "await_members", "listening", "IFNAME_ENV",
+           "ARRIVAL_NOTICE_S", "ARRIVAL_TIMEOUT_S"]
 
 IFNAME_ENV = "TP_SOCKET_IFNAME"
 ARRIVAL_NOTICE_S = 5.0  # a rank still waiting for the others says so after this long
@@ -71,6 +74,51 @@ warnings.filterwarnings("ignore", message=r"You are using a Backend .* as a Proc
                         category=UserWarning)  # torch's own init_rpc (see the docstring)
 _SIOCGIFADDR = 0x8915
 _stores: Dict[int, Any] = {}  # port -> the store this process hosts (kept alive)
+
+
+def _socket_inodes(pid: int) -> Set[str]:
+    found: Set[str] = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            found.add(link[8:-1])
+    return found
+
+
+def _proc_address(hex_address: str) -> str:
+    host, _, port = hex_address.partition(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        text = socket.inet_ntop(socket.AF_INET, raw[::-1])
+    else:  # /proc keeps IPv6 as four little-endian 32-bit words
+        text = socket.inet_ntop(socket.AF_INET6, b"".join(raw[k:k + 4][::-1]
+                                                          for k in range(0, 16, 4)))
+    return f"{text}:{int(port, 16)}"
+
+
+def listening(pid: Optional[int] = None) -> List[str]:
+    """The TCP sockets process ``pid`` (default: this one) listens on, as
+    ``address:port``, read from ``/proc`` (empty where there is none)."""
+    inodes = _socket_inodes(os.getpid() if pid is None else pid)
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 9 and fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                out.append(_proc_address(fields[1]))
+    return out
 
 
 def is_loopback(host: str) -> bool:

@@ -3,8 +3,7 @@ address it was given (loopback here), never on every interface, for the
 store and for TensorPipe, in the founder and in every server."""
 import multiprocessing
 import os
-import socket
-from typing import List, Set, Tuple
+from typing import List, Tuple
 
 import pytest
 
@@ -13,42 +12,12 @@ from moe_autograd.remote import rpc_bind
 pytestmark = pytest.mark.timeout(60)
 
 
-def _inodes(pid: int) -> Set[str]:
-    found = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            found.add(link[8:-1])
-    return found
-
-
-def _address(hex_address: str) -> str:
-    host, _, port = hex_address.partition(":")
-    raw = bytes.fromhex(host)
-    if len(raw) == 4:
-        text = socket.inet_ntop(socket.AF_INET, raw[::-1])
-    else:  # /proc keeps IPv6 as four little-endian 32-bit words
-        text = socket.inet_ntop(socket.AF_INET6, b"".join(raw[k:k + 4][::-1]
-                                                          for k in range(0, 16, 4)))
-    return f"{text}:{int(port, 16)}"
-
-
 def listening(pid: int) -> List[Tuple[str, bool]]:
     """The TCP sockets ``pid`` listens on: ``(address:port, loopback?)``."""
-    inodes = _inodes(pid)
     out = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                fields = line.split()
-                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                    address = _address(fields[1])
-                    host = address.rpartition(":")[0]
-                    loopback = host in ("127.0.0.1", "::1") or host.startswith("::ffff:127.")
-                    out.append((address, loopback))
+    for address in rpc_bind.listening(pid):
+        host = address.rpartition(":")[0]
+        out.append((address, host in ("127.0.0.1", "::1") or host.startswith("::ffff:127.")))
     return out
 
 
