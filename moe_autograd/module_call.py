@@ -32,6 +32,17 @@ Invariants:
 * A checkpointed call whose recomputed graph reaches a tensor that requires
   grad but is neither an input nor a leaf its forward's graph reached raises,
   naming the call: its gradient would otherwise be lost silently.
+* A checkpointed call's parameters changed where autograd does not see it
+  (``.data`` writes, which bump no version counter) are caught by a checksum
+  (:func:`_checksums`: the sum of each parameter's bit pattern) taken as its
+  forward starts and ends and as its recomputation starts. Changed by the
+  forward itself (``self.w.data.clamp_(...)``): the recomputation starts
+  from the values it finds, so its outputs are compared bit for bit with the
+  forward's (kept for that case only) and it raises, naming the call, if
+  they differ; the parameters are set back to what the recomputation found
+  either way (the loop changes them once). Changed only after the forward:
+  it raises (the loop's backward would mix the forward's activations with
+  the new values).
 * :meth:`ModuleCall.release` drops every tensor the call holds, the caller's
   inputs included.
 * The node carries only the result's *roots*: tensors the call's graph made.
@@ -256,6 +267,27 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
     return result
 
 
+def _checksums(params: Sequence[Tensor]) -> Tensor:
+    """One int64 per parameter: the sum of its elements' bit patterns (any
+    write that changes a value changes it, but for writes that only permute
+    values or cancel out). A parameter on another device than the first, or
+    of a dtype without a same-size integer, is summed through bytes."""
+    with torch.no_grad():
+        if not params:
+            return torch.zeros(0, dtype=torch.int64)
+        device = params[0].device
+        sums = []
+        for p in params:
+            bits = _BITS.get(p.element_size())
+            flat = (p.detach().view(bits) if bits is not None and not p.is_complex()
+                    and p.dtype != torch.bool else p.detach().contiguous().view(-1).view(torch.uint8))
+            sums.append(flat.sum(dtype=torch.int64).to(device))
+        return torch.stack(sums)
+
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _drop(t: Tensor) -> None:
     return None
 
@@ -316,6 +348,11 @@ class ModuleCall(IsolatedCall):
         #: needed by the recomputed graph (see :meth:`_recompute_now`).
         self._out_versions: List[Tuple["weakref.ref[Tensor]", int]] = []
         self._module_state: Optional[ModuleState] = None
+        #: A checkpointed call's parameter checksums (forward start, end).
+        self._sums: Optional[Tuple[Tensor, Tensor]] = None
+        #: Its forward's outputs, kept only if that forward changed its
+        #: parameters where autograd does not see it (see the docstring).
+        self._forward_values: Optional[List[Tensor]] = None
         self.inputs = [v for v in leaves if isinstance(v, Tensor) and v.requires_grad]
         self._leaves: Optional[List[Any]] = [
             v.detach().requires_grad_(v.requires_grad) if isinstance(v, Tensor) else v
@@ -413,6 +450,7 @@ class ModuleCall(IsolatedCall):
                       for b in m._buffers.values() if b is not None}
                      if isinstance(module, nn.Module) else {})
             self._saved_buffers = []
+            before = _checksums([p for p, _ in params])
             with _saving_nothing(self.name, watch, self._saved_buffers), enable_checkpointing(), \
                     self.rng.activate():
                 try:
@@ -431,6 +469,8 @@ class ModuleCall(IsolatedCall):
                     f"{self.name}: the checkpointed expert modified one of its parameters in place "
                     "in its forward; its recomputation would modify it again: call this expert "
                     "with checkpoint=False")
+            after = _checksums([p for p, _ in params])
+            self._sums = (before, after)
             if any(v.requires_grad for v in constant):
                 # The loop tracks such an input from the requires_grad_() on;
                 # a recomputation would track it from the start of the call.
@@ -450,6 +490,8 @@ class ModuleCall(IsolatedCall):
         _check_leaves(self.name, out_leaves)
         self._out_leaves = out_leaves
         self.outputs = [v for v in out_leaves if isinstance(v, Tensor)]
+        if self._sums is not None and not torch.equal(*self._sums):
+            self._forward_values = [o.detach().clone() for o in self.outputs]
         if self.validate is not None:
             self.validate(self)
         attrs = state.compare() if state is not None else []
@@ -662,13 +704,23 @@ class ModuleCall(IsolatedCall):
                 f"{self.name}: {what} of the checkpointed call was modified in place after the "
                 "call; its recomputation would see other values (as a tensor autograd saved "
                 "for backward, it must not change before the backward)")
+        params = list(self.module.parameters()) if isinstance(self.module, nn.Module) else []
+        held = self._check_sums(params)
         state = self._module_state
-        with call_streams(self.cuda_devices, self.index, ready=self.ready), torch.enable_grad(), \
-                enable_recomputing(), \
-                state.replayed() if state is not None else nullcontext(), \
-                rng.activate() if rng.drew is not False else nullcontext():
-            result = self._call()
-            attrs = state.attrs() if state is not None else []
+        try:
+            with call_streams(self.cuda_devices, self.index, ready=self.ready), \
+                    torch.enable_grad(), enable_recomputing(), \
+                    state.replayed() if state is not None else nullcontext(), \
+                    rng.activate() if rng.drew is not False else nullcontext():
+                result = self._call()
+                attrs = state.attrs() if state is not None else []
+        finally:
+            if held is not None:
+                with torch.no_grad():
+                    for p, value in zip(params, held):
+                        p.data.copy_(value)  # as the forward left them: the loop's
+        if held is not None:
+            self._check_replayed(result)
         outputs = self._roots_of([v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
                                  + attrs)
         for k in self._modified_outputs():
@@ -693,6 +745,40 @@ class ModuleCall(IsolatedCall):
         if self._split is not None:
             self._split.rebind(self._grad_leaves + self.params, edges)
         self._local_outputs = outputs
+
+    def _check_sums(self, params: List[Tensor]) -> Optional[List[Tensor]]:
+        """Before the recomputation (see the module docstring): ``None`` if
+        its parameters are as its forward found and left them; a copy of
+        them if its forward changed them where autograd does not see it (its
+        recomputation is then checked against its outputs); raises if only
+        something after the forward did."""
+        if self._sums is None:
+            return None
+        before, after = self._sums
+        now = _checksums(params)
+        if torch.equal(now, after) and torch.equal(before, after):
+            return None
+        if self._forward_values is None:
+            raise RuntimeError(
+                f"{self.name}: a parameter of the checkpointed call was changed after the call "
+                "where autograd does not see it (through .data or a detached alias); its "
+                "recomputation would see other values than its forward: change it before "
+                "the forward or after the backward, or call this expert with checkpoint=False")
+        return [p.detach().clone() for p in params]
+
+    def _check_replayed(self, result: Any) -> None:
+        expected = self._forward_values
+        assert expected is not None
+        got = [v for v in tree_flatten(result)[0] if isinstance(v, Tensor)]
+        if len(got) != len(expected) or not all(
+                a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.detach(), b)
+                for a, b in zip(got, expected)):
+            raise RuntimeError(
+                f"{self.name}: the checkpointed expert changed its parameters in its forward "
+                "where autograd does not see it (through .data or a detached alias), and its "
+                "recomputation, which starts from the changed values, computes other outputs "
+                "than the forward: call this expert with checkpoint=False (or change the "
+                "parameters before using them, so that a second change is a no-op)")
 
     def _modified_outputs(self) -> List[int]:
         """Positions of the outputs modified in place since the call returned."""

@@ -6,6 +6,7 @@ draw meanwhile), and its results and gradients equal a plain run and a plain
 sequential loop. ``recompute_early`` starts the recomputation as soon as
 backward reaches the trigger tensor.
 """
+import copy
 import threading
 import time
 import weakref
@@ -662,6 +663,83 @@ def test_an_input_or_parameter_changed_before_the_recomputation_is_refused(mode:
         y.sum().backward()
     assert str(info.value) == _CHANGED.format(
         what="a parameter (an optimizer step before the backward?)")
+
+
+class _WritesData(nn.Module):
+    """Writes its weight through ``.data`` in its forward (issue 46, class
+    5): ``before`` clips it before use (a second clip changes nothing),
+    ``after`` after use, ``halve`` halves it after use; ``count`` adds 1 to
+    a parameter no output uses."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.w = nn.Parameter(torch.randn(D, D, dtype=torch.float64) * 3)
+        self.seen = nn.Parameter(torch.zeros((), dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.how == "before":
+            self.w.data.clamp_(-1.0, 1.0)
+        y = torch.tanh(x @ self.w)
+        if self.how == "after":
+            self.w.data.clamp_(-1.0, 1.0)
+        elif self.how == "halve":
+            self.w.data.mul_(0.5)
+        elif self.how == "count":
+            self.seen.data.add_(1.0)
+        return y
+
+
+def _data_case(how: str, mode: str, shared: bool) -> Tuple[List[nn.Module], List[nn.Module],
+                                                           List[Tensor]]:
+    torch.manual_seed(0)
+    first = [_WritesData(how) for _ in range(3)]
+    loop = [copy.deepcopy(first[0])] * 3 if shared else copy.deepcopy(first)
+    ours = [copy.deepcopy(first[0])] * 3 if shared else copy.deepcopy(first)
+    return loop, ours, [torch.randn(2, D, dtype=torch.float64) for _ in range(3)]
+
+
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("how", ["before", "count"])
+def test_a_data_write_in_a_checkpointed_forward_that_replays_the_same_is_the_loops(
+        how: str, mode: str, shared: bool) -> None:
+    loop, ours, xs = _data_case(how, mode, shared)
+    a = [x.clone().requires_grad_() for x in xs]
+    b = [x.clone().requires_grad_() for x in xs]
+    sum(m(x).square().sum() for m, x in zip(loop, a)).backward()
+    sum(y.square().sum() for y in parallel_apply(ours, b, checkpoint=True, mode=mode)).backward()
+    for m, n in zip(loop, ours):  # values (the loop's count: once per call) and gradients
+        for p, q in zip(m.parameters(), n.parameters()):
+            assert torch.equal(p, q) and (p.grad is None) == (q.grad is None)
+            assert p.grad is None or torch.equal(p.grad, q.grad)
+    assert all(torch.equal(x.grad, y.grad) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("mode", ["inline", "parallel"])
+@pytest.mark.parametrize("how", ["after", "halve"])
+def test_a_data_write_in_a_checkpointed_forward_that_replays_otherwise_is_refused(
+        how: str, mode: str) -> None:
+    loop, ours, xs = _data_case(how, mode, shared=False)
+    for m in loop:
+        m(xs[0])
+    ys = parallel_apply(ours, [x.requires_grad_() for x in xs], checkpoint=True, mode=mode)
+    with pytest.raises(RuntimeError, match=r"call \d of 3: the checkpointed expert changed its "
+                       r"parameters in its forward where autograd does not see it \(through "
+                       r"\.data"):
+        sum(y.sum() for y in ys).backward()
+    for m, n in zip(loop, ours):  # changed once, as the loop's forward did, not twice
+        assert torch.equal(m.w, n.w)
+
+
+def test_a_data_write_between_a_checkpointed_call_and_its_backward_is_refused() -> None:
+    expert = _WritesData("none")
+    y = parallel_apply([expert], [torch.randn(2, D, dtype=torch.float64, requires_grad=True)],
+                       checkpoint=True)[0]
+    expert.w.data.mul_(2.0)  # no version counter sees it
+    with pytest.raises(RuntimeError, match=r"call 0 of 1: a parameter of the checkpointed call "
+                       r"was changed after the call where autograd does not see it"):
+        y.sum().backward()
 
 
 _WORLD: Dict[str, Any] = {}  # state outside the module: what a recomputation cannot replay
