@@ -2,7 +2,8 @@
 
 Why: every message of remote experts is now encoded as a schema (msgpack and
 raw tensor buffers, :mod:`moe_autograd.remote.wire`) and sealed with
-HMAC-SHA256 (:mod:`moe_autograd.remote.auth`), where it used to be pickled
+Poly1305 under one-time keys (:mod:`moe_autograd.remote.auth`; AES-256-GCM
+where the job encrypts), where it used to be pickled
 (with torch's tensor reducers on Ray; TensorPipe on RPC). These rows time
 the CPU both ends spend on that, without any engine, so the engines' own
 costs (TensorPipe's, Ray's) do not hide it:
@@ -16,8 +17,11 @@ costs (TensorPipe's, Ray's) do not hide it:
 * ``wire/pass-auth-share``: the same pass, ours against the codec alone (no
   MAC, no replay window): what authentication adds.
 * ``wire/32MiB-vs-pickle``: one request carrying a 32 MiB float32 tensor
-  (an activation of 4,096 x 2,048), where HMAC-SHA256's throughput
-  (about 1.5 GB/s here, SHA extensions) dominates.
+  (an activation of 4,096 x 2,048): Poly1305 over it (about 11 GB/s here),
+  twice (seal, open). HMAC-SHA256 (1.5 GB/s) dominated it before issue 47.
+* ``wire/32MiB-encrypted-vs-plain``: the same request sealed and opened by a
+  job that encrypts (AES-256-GCM into new buffers both ways) against one
+  that does not (Poly1305, the tensor's own buffer): what encryption costs.
 """
 import pickle
 import secrets
@@ -66,8 +70,9 @@ def _messages() -> List[Tuple[str, Any, Any]]:
     return out
 
 
-def _sealed_pass(messages: List[Tuple[str, Any, Any]], authenticate: bool) -> Callable[[], None]:
-    secret = JobSecret.generate()
+def _sealed_pass(messages: List[Tuple[str, Any, Any]], authenticate: bool,
+                 encrypt: bool = False) -> Callable[[], None]:
+    secret = JobSecret.generate(encrypt=encrypt)
     session = Session(secret)
     gate = Gate()
     gate.admit([secret])
@@ -113,17 +118,22 @@ def bench_wire(quick: bool) -> List[Row]:
                     f"encode + seal + open + decode of one pass ({shape}) vs pickle dumps + "
                     "loads of the old messages (torch's tensor reducers)"),
             compare("wire/pass-auth-share", samples, "codec", "ours", None,
-                    "the same pass, ours vs the codec alone: HMAC-SHA256 over header, body and "
-                    "buffers, the replay window, the reply's binding")]
+                    "the same pass, ours vs the codec alone: Poly1305 (one-time keys) over "
+                    "header, body and buffers, the replay window, the reply's binding")]
     big = torch.randn(4096, 2048)
     message = {"op": "forward", "expert": "e", "call": "c" * 32, "seed": 1, "grad": True,
                "flags": [True], "args": [big]}
     old = ("e", "owner", "c" * 32, 1, True, [True], (big,))
-    samples = measure({"ours": _sealed_pass([("request", message, old)], True),
+    big_request = [("request", message, old)]
+    samples = measure({"ours": _sealed_pass(big_request, True),
+                       "encrypted": _sealed_pass(big_request, True, encrypt=True),
                        "pickle": _pickled([old])}, big_plan.reps, big_plan.warmup)
     rows.append(compare("wire/32MiB-vs-pickle", samples, "pickle", "ours", None,
-                        "one request with a 4096x2048 float32 tensor (32 MiB): HMAC-SHA256's "
-                        "throughput dominates; pickle copies the bytes once each way"))
+                        "one request with a 4096x2048 float32 tensor (32 MiB): Poly1305 over "
+                        "it at seal and open; pickle copies the bytes once each way"))
+    rows.append(compare("wire/32MiB-encrypted-vs-plain", samples, "ours", "encrypted", 2.0,
+                        "the same request, its job encrypting (AES-256-GCM into a new buffer "
+                        "at seal and at open) vs not (Poly1305 over the tensor's own bytes)"))
     return rows
 
 

@@ -2,16 +2,21 @@
 
 Why: a server runs what its messages ask for, so it must know who asks. A
 *job* (a trainer and the servers it admits) shares a secret; every request
-and every reply is sealed with it (HMAC-SHA256 over the header, the body and
-every tensor buffer), and a message that fails is dropped before its body is
-decoded, counted and logged. The engines' own layers come below this and are
+and every reply is sealed with it (Poly1305 over the header, the body and
+every tensor buffer, under a one-time key per message; or, for a job that
+encrypts, AES-256-GCM: the body and buffers encrypted, the header
+authenticated with them), and a message that fails is dropped before its
+body is decoded, counted and logged. The engines' own layers come below this and are
 trusted as their documentation says (see the README's "Security": torch RPC
 trusts every member of its world, Ray every holder of its cluster token).
 
 Pieces:
 
-* :class:`JobSecret`: 32 random bytes; named on the wire by its key id (8
-  bytes of a hash, which reveals nothing of the key). Made by
+* :class:`JobSecret`: 32 random bytes, and whether its job encrypts
+  (``encrypt``: ``JobSecret(key, encrypt=True)``, ``generate(encrypt=...)``,
+  ``from_file(path, encrypt=...)``, ``MOE_AUTOGRAD_ENCRYPT=1``, ``serve
+  --encrypt``); named on the wire by its key id (8 bytes of a hash of the
+  key alone, which reveals nothing of it). Made by
   :meth:`JobSecret.generate`, kept in a file only its owner can read
   (:meth:`JobSecret.save`, ``python -m moe_autograd secret``), read back
   with :meth:`JobSecret.from_file` or from the environment
@@ -32,22 +37,53 @@ How a server's gate judges a request (:meth:`Gate.open`), in order::
     header        lengths match what arrived (:mod:`.frame`)     malformed
     kind          a request                                      malformed
     key id        one of this server's job secrets               unknown job
-    MAC           HMAC-SHA256(key, this server's name (and, for  bad MAC
-                  a bound request, this process's boot id),
-                  header, body, buffers) equals the one sent
+    encryption    the header's flag is the job's ``encrypt``     encryption mismatch
+    boot field    zero (a request's)                             malformed
+    MAC           Poly1305 (or GCM's tag) over this server's     bad MAC
+                  name (and, for a bound request, this
+                  process's boot id), header, body, buffers,
+                  under this message's key, equals the one sent
+                  (encrypted: the body and buffers decrypted)
     freshness     sent within max_clock_skew of this clock       stale
     replay        (key, session, number) not seen before, and    replay
                   within the last WINDOW numbers of its session
     -> the body may be decoded (:mod:`.wire`)
 
-A reply is sealed with the request's key, echoes its session and number, and
-its MAC covers the server's name: a client accepts it only for the request it
-sent, to the server it sent it to (:meth:`Session.open_reply`).
+A reply is sealed with the request's secret, echoes its session and number,
+and its MAC covers the server's name: a client accepts it only for the
+request it sent, to the server it sent it to (:meth:`Session.open_reply`).
+
+Keys and nonces (issue 47). ``HKDF-SHA256(ikm = the job's key, salt =
+session id || boot id, info = "moe_autograd wire keys v2", the direction,
+the server's name)`` gives 64 bytes per client session, server name and
+direction (:meth:`JobSecret.wire_keys`, cached: per session, not per
+message): a ChaCha20 key and an AES-256 key. The two nonces of a session
+are the client's session id (16 random bytes per process) and, for
+replies, the boot id of the server process, which every reply carries in
+its header (a request's boot field is zero: its client may know no boot id
+before its first message). A message's 96-bit nonce is its direction and
+number (:func:`_nonce`): a session numbers its requests per server, and a
+reply echoes its request's number under its server process's own keys, so
+no key meets one nonce twice (a request replayed to a restarted process is
+answered under that process's keys). Plain: the Poly1305 key is the first
+32 bytes of ChaCha20's keystream under the ChaCha20 key and that nonce (RFC
+8439 section 2.6, :func:`poly1305_key_gen`), fed the label, the header, the
+body and each buffer in turn (no copy). Encrypted: one AES-256-GCM message
+per frame under the AES key and that nonce, the label and header its
+associated data, the body then each buffer its plaintext (each buffer's
+ciphertext in a new buffer of its length), the 16-byte tag in the MAC
+field. The receiver decrypts into new buffers and lets nothing of them out
+before the tag verified. A message whose encryption flag is not its job's
+is refused (``encryption mismatch``, a reply rejected), so an encrypting
+job's client never has its plaintext taken. :meth:`JobSecret.mac` (fleet
+records, :meth:`JobSecret.sign`; durable snapshots' checksums) stays
+HMAC-SHA256: not per message, and small or written once.
 
 Invariants:
 
 * Nothing of a request but its header is read before its MAC verifies, and
-  the comparison is constant-time (:func:`hmac.compare_digest`).
+  the comparison is constant-time (``Poly1305.verify``, GCM's
+  ``finalize``; :func:`hmac.compare_digest` for records).
 * Every refusal is counted (:func:`security_stats`) and logged as a WARNING
   on ``moe_autograd.remote.auth``, at most one line per reason every
   :data:`LOG_EVERY_S` seconds (with the count of those not logged).
@@ -91,19 +127,31 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
-from .frame import (BOUND, KEY_ID_BYTES, REFUSAL, REPLY, REQUEST, SESSION_BYTES, Frame,
-                    FrameError, Header, buffer_view, build_head, parse, refusal)
+import torch
+from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from .frame import (BOUND, ENCRYPTED, KEY_ID_BYTES, REFUSAL, REPLY, REQUEST,
+                    SESSION_BYTES, Frame, FrameError, Header, buffer_view, build_head, parse,
+                    refusal)
 
 __all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
            "MissingSecretError", "set_job_secret", "job_secret", "resolve_secret", "session_for",
            "security_stats", "note_peer_refusals", "refusal_frame", "refuse", "REASONS",
            "secret_for", "bind_boot", "unbind_boot", "boot_of", "BOOT_BYTES", "ENV_SECRET", "ENV_SECRET_FILE",
+           "ENV_ENCRYPT", "encrypt_from_env", "poly1305_key_gen",
            "WINDOW", "MAX_SESSIONS", "DEFAULT_MAX_CLOCK_SKEW_S", "LOG_EVERY_S"]
 
 ENV_SECRET_FILE = "MOE_AUTOGRAD_SECRET_FILE"
 ENV_SECRET = "MOE_AUTOGRAD_SECRET"
+ENV_ENCRYPT = "MOE_AUTOGRAD_ENCRYPT"  # "1": the environment's secret encrypts (serve --encrypt)
 KEY_BYTES = 32
 BOOT_BYTES = 8               # a server process's boot id
+_NO_BOOT = bytes(BOOT_BYTES)  # a request's boot field (and a reply key's, never: see _seal)
+MAX_WIRE_KEYS = 1 << 14       # per-session wire keys one secret caches (see JobSecret.wire_keys)
 WINDOW = 4096                 # request numbers a session may arrive out of order by
 MAX_SESSIONS = 1 << 16        # client sessions one gate keeps windows for
 EVICT_SHARE = 64              # at MAX_SESSIONS, 1/EVICT_SHARE of them (least recent) go
@@ -115,7 +163,8 @@ _MASK = (1 << WINDOW) - 1
 REASONS: Dict[int, str] = {1: "malformed", 2: "unknown job", 3: "bad MAC", 4: "stale",
                            5: "replay", 6: "too many sessions", 7: "not addressed here",
                            8: "not the owner", 9: "name taken", 10: "too large",
-                           11: "other run", 12: "expired", 13: "unidentified"}
+                           11: "other run", 12: "expired", 13: "unidentified",
+                           14: "encryption mismatch"}
 _CODES = {name: code for code, name in REASONS.items()}
 _HELP = {
     "unknown job": "the request was sealed with a secret this server does not have (another "
@@ -135,6 +184,9 @@ _HELP = {
     "expired": "a signed fleet record past its expiry",
     "unidentified": "a Ray actor whose name has no identity record signed with the job's "
                     "secret for its actor ID: not called",
+    "encryption mismatch": "the request is encrypted and its job is not, or the other way "
+                           "round (serve --encrypt, JobSecret(..., encrypt=True): both ends "
+                           "of a job must say the same)",
 }
 _log = logging.getLogger(__name__)
 
@@ -158,16 +210,43 @@ class ReplyRejected(Exception):
 
 
 # -- the secret ---------------------------------------------------------------------------
+def poly1305_key_gen(key: bytes, nonce: bytes) -> bytes:
+    """RFC 8439 section 2.6: the Poly1305 one-time key for ``nonce`` (12
+    bytes) under ``key`` (32): the first 32 bytes of ChaCha20's keystream,
+    block counter 0 (``cryptography``'s ChaCha20 takes the counter, 4 bytes
+    little-endian, before the nonce)."""
+    encryptor = Cipher(algorithms.ChaCha20(key, b"\0\0\0\0" + nonce), mode=None).encryptor()
+    return encryptor.update(bytes(32))
+
+
+def _nonce(kind: int, seq: int) -> bytes:
+    """A message's 96-bit nonce: its direction (kind) and number. Its key is
+    per (secret, session, server, direction[, server process]), and a session
+    numbers its requests per server, so no key sees one nonce twice."""
+    return kind.to_bytes(4, "little") + seq.to_bytes(8, "little")
+
+
+def encrypt_from_env() -> bool:
+    """Whether ``MOE_AUTOGRAD_ENCRYPT`` says the job encrypts (``1``)."""
+    return os.environ.get(ENV_ENCRYPT, "").strip().lower() in ("1", "true", "yes")
+
+
 class JobSecret:
     """A job's shared secret (see the module docstring). ``repr`` shows the
-    key id only."""
+    key id only. ``encrypt``: the job's messages are encrypted (AES-256-GCM),
+    not only authenticated; both ends of a job must say the same."""
 
-    __slots__ = ("_key", "key_id", "_inner", "_outer")
+    __slots__ = ("_key", "key_id", "encrypt", "_inner", "_outer", "_wire", "_wire_lock")
 
-    def __init__(self, key: bytes) -> None:
+    def __init__(self, key: bytes, encrypt: bool = False) -> None:
         if not isinstance(key, (bytes, bytearray)) or len(key) < KEY_BYTES:
             raise ValueError(f"a job secret is at least {KEY_BYTES} bytes")
         self._key = bytes(key)
+        self.encrypt = bool(encrypt)
+        #: (session, server, direction, server boot id) -> its 64 bytes of
+        #: wire keys (see :meth:`wire_keys`), oldest first, bounded.
+        self._wire: Dict[Tuple[bytes, str, int, bytes], bytes] = {}
+        self._wire_lock = threading.Lock()
         self.key_id = hashlib.sha256(b"moe_autograd key id\0" + self._key).digest()[:KEY_ID_BYTES]
         # HMAC-SHA256 (RFC 2104) with its two keyed states made once: a MAC is
         # then two copies and C updates, with no Python frame per part.
@@ -177,12 +256,17 @@ class JobSecret:
         self._outer = hashlib.sha256(bytes(b ^ 0x5C for b in block))
 
     @classmethod
-    def generate(cls) -> "JobSecret":
+    def generate(cls, encrypt: bool = False) -> "JobSecret":
         """A new random secret."""
-        return cls(secrets.token_bytes(KEY_BYTES))
+        return cls(secrets.token_bytes(KEY_BYTES), encrypt)
+
+    def encrypting(self, encrypt: bool = True) -> "JobSecret":
+        """This secret (the same key and key id) with ``encrypt`` set so."""
+        return self if self.encrypt == bool(encrypt) else JobSecret(self._key, encrypt)
 
     @classmethod
-    def from_hex(cls, text: str, where: str = "the secret") -> "JobSecret":
+    def from_hex(cls, text: str, where: str = "the secret", encrypt: bool = False
+                 ) -> "JobSecret":
         try:
             key = binascii.unhexlify(text.strip())
         except (binascii.Error, ValueError) as error:
@@ -190,12 +274,15 @@ class JobSecret:
         if len(key) < KEY_BYTES:
             raise ValueError(f"{where} must be {2 * KEY_BYTES} or more hex digits, got "
                              f"{2 * len(key)}")
-        return cls(key)
+        return cls(key, encrypt)
 
     @classmethod
-    def from_file(cls, path: Union[str, "os.PathLike[str]"]) -> "JobSecret":
+    def from_file(cls, path: Union[str, "os.PathLike[str]"], encrypt: bool = False
+                  ) -> "JobSecret":
         """Reads a secret file (hex). Refuses a file that its group or others
-        can read or write (``chmod 600`` it), as ssh does with keys."""
+        can read or write (``chmod 600`` it), as ssh does with keys. The file
+        holds the key only: ``encrypt`` is the job's setting (``serve
+        --encrypt``)."""
         path = os.fspath(path)
         try:
             mode = os.stat(path).st_mode
@@ -208,18 +295,22 @@ class JobSecret:
             raise PermissionError(f"the job secret file {path!r} is open to its group or to "
                                   f"others (mode {stat.S_IMODE(mode):o}): run chmod 600 on it")
         # hex is ASCII: a byte outside it makes the file no secret, said as such
-        return cls.from_hex(raw.decode("ascii", "replace"), f"the job secret file {path!r}")
+        return cls.from_hex(raw.decode("ascii", "replace"), f"the job secret file {path!r}",
+                            encrypt)
 
     @classmethod
     def from_env(cls) -> Optional["JobSecret"]:
         """The secret ``MOE_AUTOGRAD_SECRET_FILE`` names, or
-        ``MOE_AUTOGRAD_SECRET`` holds (hex); ``None`` if neither is set."""
+        ``MOE_AUTOGRAD_SECRET`` holds (hex); ``None`` if neither is set. It
+        encrypts if ``MOE_AUTOGRAD_ENCRYPT`` is ``1`` (what ``serve
+        --encrypt`` sets for the processes it starts)."""
+        encrypt = encrypt_from_env()
         path = os.environ.get(ENV_SECRET_FILE)
         if path:
-            return cls.from_file(path)
+            return cls.from_file(path, encrypt)
         text = os.environ.get(ENV_SECRET)
         if text:
-            return cls.from_hex(text, f"${ENV_SECRET}")
+            return cls.from_hex(text, f"${ENV_SECRET}", encrypt)
         return None
 
     def save(self, path: Union[str, "os.PathLike[str]"]) -> str:
@@ -235,9 +326,42 @@ class JobSecret:
         """The key in hex, e.g. for ``MOE_AUTOGRAD_SECRET`` in a child's environment."""
         return self._key.hex()
 
+    def wire_keys(self, session: bytes, server: str, kind: int, boot: bytes = _NO_BOOT,
+                  keep: bool = True) -> bytes:
+        """The 64 bytes of keys of one direction (``kind``: :data:`REQUEST`
+        or :data:`REPLY`) of a client ``session`` with the server named
+        ``server`` (and, for replies, the server process of boot id
+        ``boot``): HKDF-SHA256 (RFC 5869) of the job's key, salt the session
+        id and the boot id (both sides' nonces), info the direction and the
+        server's name. Bytes 0-32: the ChaCha20 key of the Poly1305
+        one-time keys; 32-64: the AES-256-GCM key. Cached (``keep``: the
+        gate keeps only those of requests that verified)."""
+        index = (session, server, kind, boot)
+        found = self._wire.get(index)
+        if found is not None:
+            return found
+        name = server.encode()
+        info = b"moe_autograd wire keys v2\0" + bytes([kind]) + len(name).to_bytes(4, "little") \
+            + name
+        found = HKDF(algorithm=hashes.SHA256(), length=64, salt=session + boot,
+                     info=info).derive(self._key)
+        if keep:
+            self.keep_wire_keys(index, found)
+        return found
+
+    def keep_wire_keys(self, index: Tuple[bytes, str, int, bytes], keys: bytes) -> None:
+        with self._wire_lock:
+            if len(self._wire) >= MAX_WIRE_KEYS:
+                del self._wire[next(iter(self._wire))]
+            self._wire[index] = keys
+
     def mac(self, parts: Iterable[Any]) -> bytes:
         """HMAC-SHA256 of the concatenation of ``parts`` (equal to
-        ``hmac.new(key, b"".join(parts), "sha256").digest()``)."""
+        ``hmac.new(key, b"".join(parts), "sha256").digest()``): for what is
+        not a message (a fleet's records, :meth:`sign`; a durable snapshot's
+        checksum, :mod:`.durable`), small or written once, where
+        HMAC-SHA256's 1.5 GB/s does not matter. Messages are sealed with
+        Poly1305 or AES-256-GCM (:func:`_seal`)."""
         inner = self._inner.copy()
         for part in parts:
             inner.update(part)
@@ -254,13 +378,14 @@ class JobSecret:
         return isinstance(signature, str) and hmac.compare_digest(signature, self.sign(*texts))
 
     def __eq__(self, other: Any) -> bool:
-        return isinstance(other, JobSecret) and hmac.compare_digest(self._key, other._key)
+        return isinstance(other, JobSecret) and hmac.compare_digest(self._key, other._key) \
+            and self.encrypt == other.encrypt
 
     def __hash__(self) -> int:
         return hash(self.key_id)
 
     def __repr__(self) -> str:
-        return f"JobSecret(key_id={self.key_id.hex()})"
+        return f"JobSecret(key_id={self.key_id.hex()}{', encrypt=True' if self.encrypt else ''})"
 
 
 _default: Optional[JobSecret] = None
@@ -356,23 +481,119 @@ def _label(name: str, boot: Optional[bytes]) -> bytes:
     return name.encode() if boot is None else name.encode() + b"\0" + boot
 
 
-def _mac_parts(name: str, head: bytes, header: Header, boot: Optional[bytes] = None
-               ) -> List[Any]:
-    label = _label(name, boot)
-    parts: List[Any] = [len(label).to_bytes(4, "little"), label,
-                        memoryview(head)[:header.mac_start], memoryview(head)[header.body_start:]]
-    parts.extend(header.views)
-    return parts
+def _prefix(label: bytes, head: Any) -> List[Any]:
+    """What a message's MAC (or its GCM associated data) covers before its
+    body: the label (length-prefixed) and the header up to the MAC field."""
+    return [len(label).to_bytes(4, "little"), label, head]
+
+
+def _cipher_buffer(nbytes: int) -> Any:
+    """A new 1-D uint8 tensor for ``nbytes`` of GCM output (``update_into``
+    may ask for a block more than it writes), as the engines carry buffers."""
+    return torch.empty(nbytes + 15, dtype=torch.uint8)
 
 
 def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, body: bytes,
-          buffers: Sequence[Any], boot: Optional[bytes] = None) -> bytes:
+          buffers: Sequence[Any], boot: Optional[bytes] = None,
+          server_boot: bytes = _NO_BOOT) -> Tuple[bytes, List[Any]]:
+    """``(head, buffers)`` of a sealed message: a request to ``name`` (bound
+    to the server process ``boot`` if given), or a reply of ``name``'s
+    process ``server_boot``. Plain: Poly1305 (one-time key: RFC 8439's
+    ChaCha20 key generation under this direction's wire key, nonce the
+    message's) over label, header, body and every buffer; the buffers travel
+    as given. Encrypted: AES-256-GCM under this direction's wire key, one
+    message per frame (nonce the message's), the label and header as
+    associated data and the body then every buffer as its plaintext, the
+    buffers replaced by their ciphertext."""
     views = [buffer_view(b) for b in buffers]
+    encrypt = secret.encrypt
+    flags = (BOUND if boot is not None else 0) | (ENCRYPTED if encrypt else 0)
     head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body),
-                      [v.nbytes for v in views], flags=BOUND if boot is not None else 0)
-    label = _label(name, boot)
-    mac = secret.mac([len(label).to_bytes(4, "little"), label, head, body, *views])
-    return head + mac + body
+                      [v.nbytes for v in views], flags=flags, boot=server_boot)
+    keys = secret.wire_keys(session, name, kind, server_boot)
+    nonce = _nonce(kind, seq)
+    if not encrypt:
+        mac = Poly1305(poly1305_key_gen(keys[:32], nonce))
+        for part in _prefix(_label(name, boot), head):
+            mac.update(part)
+        mac.update(body)
+        for view in views:
+            mac.update(view)
+        return head + mac.finalize() + body, list(buffers)
+    encryptor = Cipher(algorithms.AES(keys[32:]), modes.GCM(nonce)).encryptor()
+    for part in _prefix(_label(name, boot), head):
+        encryptor.authenticate_additional_data(part)
+    sealed_body = encryptor.update(body)
+    out = []
+    for view in views:
+        buffer = _cipher_buffer(view.nbytes)
+        written = encryptor.update_into(view, buffer.numpy())
+        out.append(buffer[:written])
+    sealed_body += encryptor.finalize()
+    return head + encryptor.tag + sealed_body, out
+
+
+def _open(secret: JobSecret, frame: Frame, header: Header, name: str, kind: int,
+          boot: Optional[bytes], keep: bool) -> Optional[Tuple[bytes, List[Any]]]:
+    """The body and buffers (plaintext) of a message sealed by :func:`_seal`
+    for ``name`` (``boot``: the server process a bound request must be
+    bound to); ``None`` if its MAC (GCM's tag) does not verify. Nothing of
+    an encrypted message's plaintext leaves before its tag verified."""
+    head = frame.head
+    index = (header.session, name, kind, header.boot)
+    keys = secret.wire_keys(*index, keep=keep)
+    nonce = _nonce(kind, header.seq)
+    tag = head[header.mac_start:header.body_start]
+    prefix = _prefix(_label(name, boot), memoryview(head)[:header.mac_start])
+    if not header.encrypted:
+        mac = Poly1305(poly1305_key_gen(keys[:32], nonce))
+        for part in prefix:
+            mac.update(part)
+        mac.update(memoryview(head)[header.body_start:])
+        for view in header.views:
+            mac.update(view)
+        try:
+            mac.verify(tag)  # (constant-time)
+        except InvalidSignature:
+            return None
+        opened: Tuple[bytes, List[Any]] = (head[header.body_start:], list(frame.buffers))
+    else:
+        decryptor = Cipher(algorithms.AES(keys[32:]), modes.GCM(nonce, tag)).decryptor()
+        for part in prefix:
+            decryptor.authenticate_additional_data(part)
+        body = decryptor.update(memoryview(head)[header.body_start:])
+        out = []
+        for view in header.views:
+            buffer = _cipher_buffer(view.nbytes)
+            written = decryptor.update_into(view, buffer.numpy())
+            out.append(buffer[:written])
+        try:
+            body += decryptor.finalize()  # verifies the tag (constant-time)
+        except InvalidTag:
+            return None
+        opened = (body, out)
+    if not keep:
+        secret.keep_wire_keys(index, keys)
+    return opened
+
+
+_process_boot = [secrets.token_bytes(BOOT_BYTES)]  # replies sealed without a gate's boot id
+
+
+def _new_process_boot() -> None:
+    _process_boot[0] = secrets.token_bytes(BOOT_BYTES)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_process_boot)
+
+
+def _gate_boot(boot: Optional[bytes]) -> bytes:
+    if boot is None:
+        return _process_boot[0]
+    if not (isinstance(boot, bytes) and len(boot) == BOOT_BYTES) or boot == _NO_BOOT:
+        raise ValueError(f"a boot id is {BOOT_BYTES} bytes, not all zero")
+    return boot
 
 
 #: worker -> the boot id of its server process, as a signed record said it
@@ -421,9 +642,9 @@ class Session:
         with self._lock:
             seq = self._seq.get(worker, 0) + 1
             self._seq[worker] = seq
-        head = _seal(self.secret, worker, REQUEST, self.id, seq, body, buffers,
-                     _boots.get(worker))
-        return Frame(head, list(buffers), label), seq
+        head, sealed = _seal(self.secret, worker, REQUEST, self.id, seq, body, buffers,
+                             _boots.get(worker))
+        return Frame(head, sealed, label), seq
 
     def open_reply(self, worker: str, seq: int, frame: Frame) -> Tuple[bytes, Sequence[Any]]:
         """The body and buffers of ``worker``'s reply to request ``seq``;
@@ -438,12 +659,14 @@ class Session:
         if header.kind != REPLY or header.key_id != self.secret.key_id \
                 or header.session != self.id or header.seq != seq:
             raise self._reject(worker, "a reply that answers no request of this client")
-        parts = _mac_parts(worker, frame.head, header)
-        mac = frame.head[header.mac_start:header.body_start]
-        if not hmac.compare_digest(mac, self.secret.mac(parts)):
+        if header.encrypted != self.secret.encrypt:
+            raise self._reject(worker, "an encrypted reply to a job that does not encrypt"
+                               if header.encrypted else "a reply in clear to a job that encrypts")
+        opened = _open(self.secret, frame, header, worker, REPLY, None, keep=True)
+        if opened is None:
             raise self._reject(worker, "a reply whose MAC does not verify (not sealed with "
                                        "this job's secret by that server)")
-        return frame.head[header.body_start:], frame.buffers
+        return opened
 
     def reject(self, worker: str, why: str) -> ReplyRejected:
         """Counts and logs a reply of ``worker`` this client will not read
@@ -579,9 +802,17 @@ class Gate:
             raise self.refuse("unknown job", f"a request sealed with key id "
                                              f"{header.key_id.hex()}, not a job served here")
         secret = known[0]
-        parts = _mac_parts(me, frame.head, header, self.boot if header.bound else None)
-        if not hmac.compare_digest(frame.head[header.mac_start:header.body_start],
-                                   secret.mac(parts)):
+        if header.encrypted != secret.encrypt:
+            raise self.refuse("encryption mismatch",
+                              f"a request {'encrypted' if header.encrypted else 'in clear'} "
+                              f"for job {header.key_id.hex()}, which "
+                              f"{'encrypts' if secret.encrypt else 'does not encrypt'} "
+                              f"(session {header.session.hex()[:8]})")
+        if header.boot != _NO_BOOT:
+            raise self.refuse("malformed", "a request with a boot id field")
+        opened = _open(secret, frame, header, me, REQUEST,
+                       self.boot if header.bound else None, keep=False)
+        if opened is None:
             raise self.refuse("bad MAC", f"a request whose MAC does not verify (key id "
                                          f"{header.key_id.hex()}, session "
                                          f"{header.session.hex()[:8]})")
@@ -617,7 +848,7 @@ class Gate:
             raise self.refuse("replay", f"a replayed request ({header.seq} of session "
                                         f"{header.session.hex()[:8]})")
         caller = Caller(header.key_id, header.session, header.seq)
-        return caller, frame.head[header.body_start:], frame.buffers, secret
+        return caller, opened[0], opened[1], secret
 
     def restart(self) -> None:
         """A new process (a forked child): a new boot id, a floor at its start
@@ -645,11 +876,16 @@ class Gate:
 
     @staticmethod
     def seal_reply(secret: JobSecret, caller: Caller, me: str, body: bytes,
-                   buffers: Sequence[Any]) -> Frame:
+                   buffers: Sequence[Any], boot: Optional[bytes] = None) -> Frame:
         """The reply to ``caller``'s request, sealed with the secret that
-        opened it (even if its server closed meanwhile)."""
-        head = _seal(secret, me, REPLY, caller.session, caller.seq, body, buffers)
-        return Frame(head, list(buffers), "reply")
+        opened it (even if its server closed meanwhile), under keys of the
+        server process's ``boot`` id (the gate's :attr:`boot`; default: a
+        random id of this process), which the reply's header carries: a
+        reply's keys are its server process's own, so a request replayed to
+        a restarted process never has two replies under one key and nonce."""
+        head, sealed = _seal(secret, me, REPLY, caller.session, caller.seq, body, buffers,
+                             server_boot=_gate_boot(boot))
+        return Frame(head, sealed, "reply")
 
     def refuse(self, reason: str, detail: str) -> Refused:
         """Counts and logs a refusal; returns it (to raise)."""

@@ -194,5 +194,5 @@ def serve(frame: Frame, me: str) -> Frame:
     except wire.WireTypeError as error:
         message["reply"] = ["error", f"the reply cannot travel: {error}"]
         out, out_buffers = wire.encode(message)
-    return _gate.seal_reply(secret, caller, me, out, out_buffers)
+    return _gate.seal_reply(secret, caller, me, out, out_buffers, boot=_gate.boot)
 

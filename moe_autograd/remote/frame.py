@@ -12,22 +12,32 @@ Layout of :attr:`Frame.head` (little-endian)::
     offset    size  field
     --------  ----  -----------------------------------------------------------
     0         4     magic ``b"MoEa"``
-    4         1     version (1)
+    4         1     version (2)
     5         1     kind: 1 request, 2 reply, 3 refusal
     6         1     code: why a refusal refused (0 otherwise)
     7         1     flags: 1 = bound (a request whose MAC covers the server
-                    process's boot id too, :mod:`.auth`); 0 otherwise
+                    process's boot id too, :mod:`.auth`); 2 = encrypted (the
+                    body and the buffers are AES-256-GCM ciphertext, and the
+                    MAC field is the GCM tag); 0 otherwise
     8         8     key id: which job secret sealed it (:class:`~.auth.JobSecret`)
     16        16    session: the requesting client's session (a reply echoes it)
     32        8     seq: the request's number in its session (a reply echoes it)
     40        8     sent: the sender's wall clock, ms since the epoch
-    48        4     body length
-    52        4     n, the number of buffers
-    56        8 n   each buffer's length in bytes
-    56 + 8 n  32    MAC (HMAC-SHA256 over all of the above, the body, the buffers)
-    88 + 8 n  ...   the body (msgpack, :mod:`.wire`)
+    48        8     boot: in a reply, the boot id of the server process that
+                    sealed it (its share of the reply's keys, :mod:`.auth`);
+                    zero in a request and a refusal
+    56        4     body length
+    60        4     n, the number of buffers
+    64        8 n   each buffer's length in bytes
+    64 + 8 n  16    MAC: Poly1305 with a one-time key (plain), or the AES-256-GCM
+                    tag (encrypted), over all of the above, the body, the buffers
+    80 + 8 n  ...   the body (msgpack, :mod:`.wire`; its ciphertext if encrypted)
 
-A refusal is the header alone (no body, no buffers, no MAC): a server that
+The MAC field is 16 bytes, the tag of both Poly1305 and GCM (version 1 had
+32, HMAC-SHA256's). An encrypted message's lengths are its plaintext's (GCM
+is a stream mode: ciphertext and plaintext have one length).
+
+A refusal is the header alone (no body, no buffers, a zero MAC): a server that
 cannot authenticate a request has nothing it may say with the job's key.
 
 Invariants:
@@ -44,18 +54,20 @@ from typing import Any, List, Sequence
 
 __all__ = ["Frame", "Header", "FrameError", "parse", "buffer_lengths", "build_head", "refusal", "buffer_view",
            "MAGIC", "VERSION", "REQUEST", "REPLY", "REFUSAL", "MAC_BYTES", "MAX_BUFFERS",
-           "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES", "BOUND"]
+           "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES", "BOOT_BYTES", "BOUND", "ENCRYPTED"]
 
 MAGIC = b"MoEa"
-VERSION = 1
+VERSION = 2
 REQUEST, REPLY, REFUSAL = 1, 2, 3
-BOUND = 1  # a header flag (see the layout)
+BOUND = 1  # header flags (see the layout)
+ENCRYPTED = 2
 KEY_ID_BYTES = 8
 SESSION_BYTES = 16
-MAC_BYTES = 32
+BOOT_BYTES = 8
+MAC_BYTES = 16
 MAX_BUFFERS = 1 << 16          # tensors one message may carry
 MAX_BODY_BYTES = 64 << 20      # the body (schema values, not tensor data)
-_FIXED = struct.Struct("<4sBBBB8s16sQQII")  # up to and including the buffer count
+_FIXED = struct.Struct("<4sBBBB8s16sQQ8sII")  # up to and including the buffer count
 _LENGTH = struct.Struct("<Q")
 
 
@@ -90,11 +102,17 @@ class Header:
     lengths: List[int]
     views: List[memoryview]  # the buffers' bytes (checked against ``lengths``)
     flags: int = 0
+    boot: bytes = bytes(BOOT_BYTES)  # a reply's: the boot id of the process that sealed it
 
     @property
     def bound(self) -> bool:
         """A request bound to the boot id of the server process it was sealed for."""
         return bool(self.flags & BOUND)
+
+    @property
+    def encrypted(self) -> bool:
+        """The body and buffers are ciphertext (the job encrypts, :mod:`.auth`)."""
+        return bool(self.flags & ENCRYPTED)
 
     @property
     def mac_start(self) -> int:
@@ -116,9 +134,10 @@ def buffer_view(buffer: Any) -> memoryview:
 
 
 def build_head(kind: int, key_id: bytes, session: bytes, seq: int, sent_ms: int,
-               body_len: int, lengths: Sequence[int], code: int = 0, flags: int = 0) -> bytes:
+               body_len: int, lengths: Sequence[int], code: int = 0, flags: int = 0,
+               boot: bytes = bytes(BOOT_BYTES)) -> bytes:
     """The header up to (not including) the MAC."""
-    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq, sent_ms,
+    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq, sent_ms, boot,
                         body_len, len(lengths))
     return fixed + struct.pack(f"<{len(lengths)}Q", *lengths) if lengths else fixed
 
@@ -148,7 +167,7 @@ def parse(frame: Frame) -> Header:
         raise FrameError(f"a frame's head must be bytes, got {type(head).__name__}")
     if len(head) < _FIXED.size:
         raise FrameError(f"a frame of {len(head)} bytes is shorter than a header")
-    magic, version, kind, code, flags, key_id, session, seq, sent_ms, body_len, n = \
+    magic, version, kind, code, flags, key_id, session, seq, sent_ms, boot, body_len, n = \
         _FIXED.unpack_from(head)
     if magic != MAGIC:
         raise FrameError("not a moe_autograd message (bad magic)")
@@ -156,7 +175,7 @@ def parse(frame: Frame) -> Header:
         raise FrameError(f"message version {version}, this side speaks {VERSION}")
     if kind not in (REQUEST, REPLY, REFUSAL):
         raise FrameError(f"unknown message kind {kind}")
-    if flags & ~BOUND:
+    if flags & ~(BOUND | ENCRYPTED):
         raise FrameError(f"unknown flags {flags:#x}")
     if n > MAX_BUFFERS or body_len > MAX_BODY_BYTES:
         raise FrameError(f"a message of {n} buffers and a {body_len}-byte body is past the "
@@ -181,4 +200,4 @@ def parse(frame: Frame) -> Header:
             raise FrameError(f"buffer {k} has {view.nbytes} bytes, the header says {length}")
         views.append(view)
     return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths, views,
-                  flags)
+                  flags, boot)

@@ -88,7 +88,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from ..logs import configure_cli
 from . import endpoint
-from .auth import ENV_SECRET_FILE, JobSecret, MissingSecretError, job_secret, set_job_secret
+from .auth import (ENV_SECRET_FILE, JobSecret, MissingSecretError, encrypt_from_env, job_secret,
+                   set_job_secret)
 from .channel import request
 from .client import RemoteExpert
 from .durable import snapshot_paths
@@ -119,12 +120,13 @@ class _ExpertActor:
     def __init__(self, name: str, namespace: str, experts: Factory,
                  server_options: Dict[str, Any], torch_threads: int,
                  secret_file: Optional[str], allow_unauthenticated: bool,
-                 recover: bool = False, consume: bool = False) -> None:
+                 recover: bool = False, consume: bool = False, encrypt: bool = False) -> None:
         import ray
         import torch
 
         require_token_auth(allow_unauthenticated, f"Ray expert server {name!r}")
         secret = JobSecret.from_file(secret_file) if secret_file else job_secret()
+        secret = secret.encrypting(encrypt)  # (the driver's job's setting)
         if consume and secret_file:  # its driver's private copy, this actor's alone: read,
             try:                     # so gone even if the driver is killed with SIGKILL
                 os.unlink(secret_file)
@@ -353,12 +355,12 @@ def _secret_source(secret_file: Optional[str]) -> Tuple[str, JobSecret, Optional
     a private copy."""
     if secret_file:
         path = os.path.abspath(secret_file)
-        return path, JobSecret.from_file(path), None
+        return path, JobSecret.from_file(path, encrypt_from_env()), None
     secret = job_secret()
     named = os.environ.get(ENV_SECRET_FILE)
     if named:
         try:
-            if JobSecret.from_file(named) == secret:
+            if JobSecret.from_file(named, secret.encrypt) == secret:
                 return os.path.abspath(named), secret, None
         except (OSError, ValueError, MissingSecretError):
             pass
@@ -517,7 +519,8 @@ class RayExpertServer:
             self.handle = actor_class.options(**options).remote(
                 name, namespace, experts, dict(server_options), torch_threads, secret_path,
                 bool(allow_unauthenticated), bool(recover),
-                self._private_copy is not None and not self._restartable)
+                self._private_copy is not None and not self._restartable,
+                bool(self.secret.encrypt))
         except ValueError as error:
             self._release_secret()
             raise ValueError(f"cannot start Ray expert server {name!r} in namespace "

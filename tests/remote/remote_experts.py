@@ -202,7 +202,27 @@ def setup_servers() -> List[ExpertServer]:
         ExpertServer({"xb_mlp": xb_mlp(), "xb_int": xb_int()}, batch_across_calls=True,
                      batch_window=XB_WINDOW_S, max_batch_rows=XB_TRAINERS * XB_ROWS,
                      secret=[job_secret(), second_job(job_secret())]),
+        # a job that encrypts its messages (test_wire_crypto.py)
+        ExpertServer({"enc_lin": enc_lin()}, secret=encrypted_job(job_secret())),
     ]
+
+
+def encrypted_job(secret: JobSecret) -> JobSecret:
+    """A job that encrypts (AES-256-GCM), its key derived from the test job's."""
+    import hashlib
+
+    return JobSecret(hashlib.sha256(b"the encrypted test job" + secret.hex().encode()).digest(),
+                     encrypt=True)
+
+
+def enc_lin() -> nn.Module:
+    """A Linear with weights of a fixed seed (the same on every side)."""
+    module = nn.Linear(WIDTH, WIDTH)
+    generator = torch.Generator().manual_seed(47)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return module
 
 
 # -- batching across calls (test_gather.py) ---------------------------------------------

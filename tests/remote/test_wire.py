@@ -473,19 +473,25 @@ def test_buffer_lengths_refuses_what_it_cannot_tell() -> None:
             frame.buffer_lengths(bad)
 
 
-def _head(kind: int = frame.REQUEST, n: int = 0, body_len: int = 0, version: int = 1,
+def _head(kind: int = frame.REQUEST, n: int = 0, body_len: int = 0, version: int = 2,
           magic: bytes = b"MoEa") -> bytes:
     """A header up to the MAC, as a sender (honest or not) writes it."""
-    return struct.pack("<4sBBBB8s16sQQII", magic, version, kind, 0, 0, bytes(8), bytes(16), 1, 2,
-                       body_len, n)
+    return struct.pack("<4sBBBB8s16sQQ8sII", magic, version, kind, 0, 0, bytes(8), bytes(16), 1,
+                       2, bytes(8), body_len, n)
 
 
 def test_build_head_lays_out_the_documented_fields() -> None:
-    head = frame.build_head(frame.REPLY, b"k" * 8, b"s" * 16, 3, 4, 5, [6, 7])
-    assert head == (b"MoEa\x01\x02\x00\x00" + b"k" * 8 + b"s" * 16
-                    + struct.pack("<QQII", 3, 4, 5, 2) + struct.pack("<QQ", 6, 7))
+    head = frame.build_head(frame.REPLY, b"k" * 8, b"s" * 16, 3, 4, 5, [6, 7], flags=2,
+                            boot=b"b" * 8)
+    assert head == (b"MoEa\x02\x02\x00\x02" + b"k" * 8 + b"s" * 16
+                    + struct.pack("<QQ", 3, 4) + b"b" * 8 + struct.pack("<II", 5, 2)
+                    + struct.pack("<QQ", 6, 7))
     assert frame.build_head(frame.REFUSAL, bytes(8), bytes(16), 0, 0, 0, [], code=9)[4:8] == \
-        b"\x01\x03\x09\x00"
+        b"\x02\x03\x09\x00"
+    header = frame.parse(frame.Frame(head + bytes(frame.MAC_BYTES) + b"12345",
+                                     [b"x" * 6, b"y" * 7]))
+    assert (header.boot, header.encrypted, header.bound, header.body_start) == \
+        (b"b" * 8, True, False, 64 + 16 + 16)
 
 
 SEALED = _head(n=1, body_len=3) + struct.pack("<Q", 2) + bytes(frame.MAC_BYTES) + b"abc"
@@ -493,19 +499,19 @@ SEALED = _head(n=1, body_len=3) + struct.pack("<Q", 2) + bytes(frame.MAC_BYTES) 
 
 @pytest.mark.parametrize("head, buffers, message", [
     (memoryview(SEALED), [b"xy"], "a frame's head must be bytes, got memoryview"),
-    (SEALED[:55], [b"xy"], "a frame of 55 bytes is shorter than a header"),
-    (_head(), [], "a frame's head is 56 bytes, its header says 88"),
-    (_head(magic=b"MoEb") + bytes(32), [], "not a moe_autograd message (bad magic)"),
-    (_head(version=2) + bytes(32), [], "message version 2, this side speaks 1"),
-    (_head(kind=4) + bytes(32), [], "unknown message kind 4"),
+    (SEALED[:63], [b"xy"], "a frame of 63 bytes is shorter than a header"),
+    (_head(), [], "a frame's head is 64 bytes, its header says 80"),
+    (_head(magic=b"MoEb") + bytes(16), [], "not a moe_autograd message (bad magic)"),
+    (_head(version=1) + bytes(16), [], "message version 1, this side speaks 2"),
+    (_head(kind=4) + bytes(16), [], "unknown message kind 4"),
     (_head(n=frame.MAX_BUFFERS + 1), [], "a message of 65537 buffers and a 0-byte body is past "
                                          "the limits (65536 buffers, 67108864 bytes)"),
     (_head(body_len=frame.MAX_BODY_BYTES + 1), [], "a message of 0 buffers and a 67108865-byte "
                                                    "body is past the limits (65536 buffers, "
                                                    "67108864 bytes)"),
-    (_head(n=frame.MAX_BUFFERS), [], "a frame's head is 56 bytes, its header says 524376"),
-    (_head(body_len=frame.MAX_BODY_BYTES), [], "a frame's head is 56 bytes, its header says "
-                                               "67108952"),
+    (_head(n=frame.MAX_BUFFERS), [], "a frame's head is 64 bytes, its header says 524368"),
+    (_head(body_len=frame.MAX_BODY_BYTES), [], "a frame's head is 64 bytes, its header says "
+                                               "67108944"),
     (SEALED, [], "the header announces 1 buffers, 0 arrived"),
     (SEALED, None, "the header announces 1 buffers, ? arrived"),
     (SEALED, iter([b"xy"]), "the header announces 1 buffers, ? arrived"),
@@ -522,7 +528,7 @@ def test_parse_names_a_buffer_that_is_no_byte_buffer() -> None:
     with pytest.raises(frame.FrameError, match=r"^buffer 0 is not a byte buffer \(object: "):
         frame.parse(frame.Frame(SEALED, [object()]))
     header = frame.parse(frame.Frame(SEALED, [b"xy"]))
-    assert (header.body_start, header.body_len, header.lengths) == (96, 3, [2])
+    assert (header.body_start, header.body_len, header.lengths) == (88, 3, [2])
 
 
 @pytest.mark.parametrize("buffer, data", [
