@@ -704,7 +704,8 @@ class ModuleCall(IsolatedCall):
                 f"{self.name}: {what} of the checkpointed call was modified in place after the "
                 "call; its recomputation would see other values (as a tensor autograd saved "
                 "for backward, it must not change before the backward)")
-        params = list(self.module.parameters()) if isinstance(self.module, nn.Module) else []
+        params: List[Tensor] = (list(self.module.parameters())
+                                if isinstance(self.module, nn.Module) else [])
         held = self._check_sums(params)
         state = self._module_state
         try:
