@@ -25,6 +25,7 @@ costs (TensorPipe's, Ray's) do not hide it:
 """
 import pickle
 import secrets
+import time
 from typing import Any, Callable, Dict, List, Tuple
 
 import torch
@@ -74,7 +75,7 @@ def _sealed_pass(messages: List[Tuple[str, Any, Any]], authenticate: bool,
                  encrypt: bool = False) -> Callable[[], None]:
     secret = JobSecret.generate(encrypt=encrypt)
     session = Session(secret)
-    gate = Gate()
+    gate = Gate(started=time.time() - 1.0)  # (a request of its first ms is newer)
     gate.admit([secret])
 
     def step() -> None:

@@ -56,6 +56,24 @@ def test_the_one_time_key_is_rfc_8439s() -> None:
         "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646")
 
 
+@pytest.mark.parametrize("sizes", [[0], [5, 11], [16], [131056, 16], [131072, 1], [1 << 20, 3, 7]])
+def test_a_tag_is_rfc_8439s_aead_tag_whether_joined_or_streamed(sizes: List[int]) -> None:
+    """The plain MAC is the tag of RFC 8439's ChaCha20-Poly1305 with the
+    message as associated data and nothing to encrypt: the library's AEAD
+    computes it for small messages, Poly1305 part by part (with the AEAD's
+    padding and lengths) for large ones; both give the AEAD's tag, on each
+    side of the threshold, and RFC 8439 section 2.8.2's vector holds."""
+    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+
+    from moe_autograd.remote.auth import _poly_tag
+
+    key, nonce = bytes(range(32)), bytes(range(12))
+    parts = [bytes((k * 7 + n) % 256 for n in range(size)) for k, size in enumerate(sizes)]
+    expected = ChaCha20Poly1305(key).encrypt(nonce, b"", b"".join(parts))
+    assert _poly_tag(key, nonce, parts) == expected
+    assert _poly_tag(key, nonce, [memoryview(p) for p in parts]) == expected
+
+
 def test_keys_differ_per_destination_direction_process_and_number() -> None:
     secret = JobSecret.generate()
     session = bytes(range(16))
