@@ -38,9 +38,11 @@ def step(experts: List[nn.Module], head: nn.Module, xs: List[Tensor], checkpoint
     kept: Dict[int, int] = {}  # storage pointer -> bytes
     params = {p.untyped_storage().data_ptr() for m in experts for p in m.parameters()}
 
+    forward = [True]  # what is kept from the forward to the backward
+
     def pack(t: Tensor) -> Tensor:  # called for every tensor autograd saves
         storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
+        if forward[0] and storage.data_ptr() not in params:
             kept[storage.data_ptr()] = storage.nbytes()
         return t
 
@@ -52,6 +54,7 @@ def step(experts: List[nn.Module], head: nn.Module, xs: List[Tensor], checkpoint
     h = head(torch.cat(outs))
     if early:
         h = recompute_early(h, outs)  # recompute as soon as backward reaches h
+    forward[0] = False  # a recomputation's saves (seen by the hook too) live in backward only
     h.square().mean().backward()
     return sum(kept.values())
 

@@ -74,6 +74,7 @@ from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
 from .terms import ACCUMULATE_GRAD, Edges, TermSplit
+from .saved import CallSaves
 from .tls import CallerState, bind
 
 __all__ = ["ModuleCall", "Expert", "call_inline", "check_flips", "ForeignGraphError"]
@@ -267,6 +268,18 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
     return result
 
 
+def _user_hooks(hooks: Optional[Tuple[Any, Any]]) -> bool:
+    """Whether a checkpointed call's recomputation replays the caller's
+    saved-tensor ``hooks``: the user's own (a lossy pack, ``save_on_cpu``),
+    not a ``torch.utils.checkpoint`` frame's (its pack belongs to its own
+    forward: the frame recomputes this call's forward anyway, and this
+    call's recomputation is not part of it) nor this runtime's."""
+    if hooks is None:
+        return False
+    module = getattr(hooks[0], "__module__", None) or ""
+    return module != "torch.utils.checkpoint" and not module.startswith("moe_autograd")
+
+
 def _checksums(params: Sequence[Tensor]) -> Tensor:
     """One int64 per parameter: the sum of its elements' bit patterns (any
     write that changes a value changes it, but for writes that only permute
@@ -371,6 +384,11 @@ class ModuleCall(IsolatedCall):
         #: The caller's thread state at the call, also for its recomputation.
         self.state = state
         self.saves = None if (self.checkpoint or state is None) else state.saves()
+        #: A checkpointed call's: what its recomputation saves, for the
+        #: caller's saved-tensor hooks (see :meth:`recompute_for_hooks`).
+        self.recompute_saves = (state.saves() if self.checkpoint and state is not None
+                                and _user_hooks(state.saved_tensor_hooks) else None)
+        self._recomputed_for_hooks = False
         self._lock = threading.Lock()
         self._made: Optional[Tuple[int, int]] = None  # sequence numbers of the nodes it made
         #: Tensors its graph reaches on several edges: their terms go to the
@@ -799,14 +817,18 @@ class ModuleCall(IsolatedCall):
             # the thread that runs the recomputation is in (the engine's,
             # inside the caller's autocast, say).
             state = self.state if self.state is not None else CallerState.plain()
-            self._recompute = get_pool().submit([bind(state, self._recompute_now)])
+            self._recompute = get_pool().submit([bind(state, self._recompute_now,
+                                                      self.recompute_saves)])
 
     def _wait_recompute(self) -> None:
+        if self._recomputed_for_hooks:  # this backward's, done by recompute_for_hooks
+            self._recomputed_for_hooks = False
+            return
         if self.recompute_in_backward and self._recompute is None and self._leaves is not None:
             # Its batch runs within the cores: recompute here, on the lane
             # that runs this call's backward, rather than on another worker.
             state = self.state if self.state is not None else CallerState.plain()
-            bind(state, self._recompute_now)()
+            bind(state, self._recompute_now, self.recompute_saves)()
             return
         self.start_recompute()
         group = self._recompute
@@ -814,6 +836,22 @@ class ModuleCall(IsolatedCall):
         group.wait()  # runs it here if no worker took it yet
         if group.errors[0] is not None:
             raise group.errors[0]
+
+    def recompute_for_hooks(self) -> Optional[CallSaves]:
+        """For a checkpointed call made under the caller's saved-tensor hooks,
+        on the engine's thread before the call's backward: recomputes (on a
+        worker, or here), then has the caller's ``pack`` see every tensor the
+        recomputation saved, in the order saved, and ``unpack`` it for the
+        backward (:mod:`.saved`): the hooks see what the call saves, as they
+        do without checkpointing (issue 46), and run on this thread only.
+        Returns the record (its unpacked values go after the backward)."""
+        saves = self.recompute_saves
+        if saves is None or self._leaves is None:
+            return None
+        self._wait_recompute()
+        self._recomputed_for_hooks = True
+        saves.replay()
+        return saves
 
     # -- backward --------------------------------------------------------------
     @property
@@ -915,4 +953,6 @@ class ModuleCall(IsolatedCall):
         self._recompute = None
         self._split = None
         self.state = None
+        if self.recompute_saves is not None:
+            self.recompute_saves.release()
         self._kept = None

@@ -118,6 +118,9 @@ class IsolatedCall:
     #: What the call saved for backward through the caller's saved-tensor
     #: hooks (see :mod:`moe_autograd.saved`); None without such hooks.
     saves: Optional[CallSaves] = None
+    #: A checkpointed call's: what its recomputation saves, for those hooks
+    #: (see :meth:`recompute_for_hooks`); None where there is nothing to replay.
+    recompute_saves: Optional[CallSaves] = None
     #: Starts this call's backward (with the other calls of the same
     #: collector) instead of a worker; None: :meth:`backward` runs on a
     #: worker (see :mod:`moe_autograd.collect`).
@@ -146,6 +149,13 @@ class IsolatedCall:
         its own, as soon as its backward has finished (see :func:`attach`):
         worth it where it has parameter gradients to accumulate and free."""
         return False
+
+    def recompute_for_hooks(self) -> Optional[CallSaves]:
+        """On the node's thread as its backward starts, for a call with
+        ``recompute_saves``: recomputes and packs what it saved with the
+        caller's hooks; returns the record to unpack (see
+        :meth:`moe_autograd.module_call.ModuleCall.recompute_for_hooks`)."""
+        return None
 
     def backward_starts(self) -> None:
         """Runs on the node's thread as its backward starts, before
@@ -699,6 +709,23 @@ class _Pass:
         # the outer graph task (a checkpoint frame recomputes once), never on workers.
         self._saves: Dict[int, CallSaves] = {
             i: saves for i in self.active if (saves := calls[i].saves) is not None}
+        # A checkpointed call made under such hooks recomputes first, and the
+        # hooks see what it saves there, in call order (the loop's packs).
+        for i in self.active:
+            if calls[i].recompute_saves is None:
+                continue
+            try:
+                saves = calls[i].recompute_for_hooks()
+            except Exception as error:
+                if self.strict:
+                    error.add_note(self._where(i))
+                    raise
+                failed = calls[i].recompute_saves
+                if failed is not None:  # its backward meets it there
+                    failed.fail(error, every=True)
+                continue
+            if saves is not None:
+                self._saves[i] = saves
         # An unpack that fails (a frame's recomputation that raised) is tried
         # once, like the loop's; the saved tensors left raise it where a call's
         # backward needs them, as the loop meets it only there.

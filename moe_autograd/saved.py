@@ -100,12 +100,14 @@ class CallSaves:
             if slot.packed is not _UNPACKED and slot.value is None:
                 slot.value = unpack(slot.packed)
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, every: bool = False) -> None:
         """The user's unpack raised ``error`` (a frame's recomputation that
         failed, say): every slot not unpacked yet raises it when the call's
-        backward needs it, as the loop's backward meets it only there."""
+        backward needs it, as the loop's backward meets it only there.
+        ``every``: every slot, packed or not (the user's pack raised)."""
         for slot in self.slots:
-            if slot.packed is not _UNPACKED and slot.value is None:
+            if every or (slot.packed is not _UNPACKED and slot.value is None):
+                slot.value = None
                 slot.error = error
 
     def drop(self) -> None:

@@ -811,12 +811,11 @@ def test_a_recomputation_runs_in_its_forwards_state_not_the_backwards(mode: str)
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known limit (issue 46, README semantics table): a checkpointed "
-                          "call's forward saves nothing, and its recomputation in backward "
-                          "saves past the caller's saved_tensors_hooks: a lossy pack is not "
-                          "applied to it (a pack that raises is never called)")
-def test_the_callers_pack_hooks_see_what_a_checkpointed_call_saves() -> None:
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+def test_the_callers_pack_hooks_see_what_a_checkpointed_call_saves(mode: str) -> None:
+    """(issue 46, class 6) A lossy pack (a bf16 round trip) applies to what
+    the checkpointed calls' recomputations save, as it does to what the
+    loop's calls save: the gradients are the loop's, bit for bit."""
     def lossy(t: Tensor) -> Tensor:
         return t.to(torch.bfloat16)
 
@@ -828,9 +827,35 @@ def test_the_callers_pack_hooks_see_what_a_checkpointed_call_saves() -> None:
     xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
     with torch.autograd.graph.saved_tensors_hooks(lossy, back):
         want = torch.autograd.grad(sum(e(x).sum() for e, x in zip(experts, xs)), xs)
-        outs = parallel_apply(experts, xs, mode="parallel", checkpoint=True)
+        outs = parallel_apply(experts, xs, mode=mode, checkpoint=True)
         got = torch.autograd.grad(sum(o.sum() for o in outs), xs)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+    plain = torch.autograd.grad(sum(e(x).sum() for e, x in zip(experts, xs)), xs)
+    assert not all(torch.equal(a, b) for a, b in zip(plain, want))  # the pack did something
+
+
+@pytest.mark.parametrize("mode", ["inline", "parallel"])
+def test_a_pack_hook_that_raises_is_called_for_a_checkpointed_call(mode: str) -> None:
+    """The caller's pack runs on the caller's (engine's) thread, never on a
+    worker, in call order; one that raises fails the backward, naming the
+    call."""
+    seen: List[Tuple[int, bool]] = []
+
+    def pack(t: Tensor) -> Tensor:
+        seen.append((threading.get_ident(), t.dtype == torch.float64))
+        if len(seen) == 3:
+            raise ValueError("no saving today")
+        return t
+    experts = [nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+               for _ in range(3)]
+    xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in experts]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        outs = parallel_apply(experts, xs, mode=mode, checkpoint=True)
+    assert seen == []  # the forward saves nothing
+    with pytest.raises(ValueError, match="no saving today") as info:
+        sum(o.sum() for o in outs).backward()
+    assert any("backward: call 0 of 3" in note for note in info.value.__notes__)
+    assert len({ident for ident, _ in seen}) == 1
 
 
 @pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
