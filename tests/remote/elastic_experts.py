@@ -295,3 +295,30 @@ def cmd_members(trainer: _Trainer) -> List[str]:
     from moe_autograd.remote import membership
 
     return sorted(membership.members(trainer.fleet.registry.raw))
+
+
+def cmd_replay_earlier_run(trainer: _Trainer, calls: int = 6) -> Dict[str, Any]:
+    """(issue 45) An earlier run's signed records, same secret, written into
+    this run's store: a stop, and an eviction of every member at its rank.
+    The servers must refuse them (other run) and keep serving: the calls
+    after are checked against the local reference."""
+    from moe_autograd.remote import membership
+    from moe_autograd.remote.registry import Registry
+
+    registry = trainer.fleet.registry
+    members = membership.members(registry.raw)
+    earlier = Registry(registry.raw, trainer.fleet.secret, run="0" * 32)
+    earlier.request_stop()
+    for name, rank in members.items():
+        if name != "trainer":
+            earlier.evict(name, rank)
+    time.sleep(1.5)  # beats of the servers: each reads the stop and its eviction mark
+    servers = trainer.fleet.servers()
+    expert = trainer.fleet.expert(BALANCED, forward_timeout=10.0, backward_timeout=10.0)
+    report = balanced_calls(expert, calls)
+    for name in members:
+        registry.raw.delete_key(registry._key("evicted", name))
+    registry.raw.delete_key(registry._key("stop"))
+    return {"servers_before": sorted(members), "servers": sorted(servers),
+            "after": sorted(membership.members(registry.raw)),
+            "mismatches": report["mismatches"], "served": report["served"]}

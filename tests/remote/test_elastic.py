@@ -490,6 +490,19 @@ def test_calls_avoid_a_slow_replica(fleet_world: _World) -> None:
 
 
 @pytest.mark.timeout(120)
+def test_an_earlier_runs_stop_and_evictions_leave_the_fleet_serving(fleet_world: _World
+                                                                    ) -> None:
+    """(issue 45, finding 3, end to end) A stop and an eviction of every
+    server, signed with the job's secret in an earlier run, written into
+    this run's store: no server stops or leaves, and the calls after are
+    exact against the local reference."""
+    report = fleet_world.call("replay_earlier_run", timeout=90.0)
+    assert report["after"] == report["servers_before"], report
+    assert {"srv_a", "srv_b"} <= set(report["servers"]), report
+    assert report["mismatches"] == 0, report
+
+
+@pytest.mark.timeout(120)
 def test_server_joins_running_world_and_is_used(fleet_world: _World) -> None:
     fleet_world.call("start_training", names=["e0", "e1", "e2", "e3"])
     time.sleep(0.3)
