@@ -95,6 +95,9 @@ NOT_RUN_AS_WRITTEN = {
 # is checked where running them does not fit in the suite's time).
 COMMANDS: Dict[str, List[str]] = {
     "make test": ["(this suite)"],
+    "python -m moe_autograd serve --encrypt": [
+        "tests/remote/test_wire_crypto.py::test_serve_takes_encrypt",
+        "tests/remote/test_wire_crypto.py::test_an_encrypting_job_on_torch_rpc_equals_local"],
     "make bench": ["tests/test_bench.py::test_quick_overhead_row", "test_make_targets"],
     "make fuzz": ["tests/oracle/test_oracle.py::test_runtime_equals_loop", "test_make_targets"],
     "make zoo": ["tests/moe/test_zoo_models.py::test_model_equals_stock", "test_make_targets"],
