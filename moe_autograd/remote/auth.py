@@ -74,8 +74,11 @@ large one part by part, no copy). Encrypted: one AES-256-GCM message
 per frame under the AES key and that nonce, the label and header its
 associated data, the body then each buffer its plaintext (each buffer's
 ciphertext in a new buffer of its length), the 16-byte tag in the MAC
-field. The receiver decrypts into new buffers and lets nothing of them out
-before the tag verified. A message whose encryption flag is not its job's
+field. The receiver decrypts into new buffers (or, for a frame whose
+buffers are its own, :attr:`~.frame.Frame.owned`, as torch RPC's engine
+hands them over, into those buffers: :func:`_decrypt_in_place`) and lets
+nothing of them out before the tag verified. Large ciphertext and plaintext
+buffers are of huge pages (:func:`_cipher_buffer`). A message whose encryption flag is not its job's
 is refused (``encryption mismatch``, a reply rejected), so an encrypting
 job's client never has its plaintext taken. :meth:`JobSecret.mac` (fleet
 records, :meth:`JobSecret.sign`; durable snapshots' checksums) stays
@@ -121,14 +124,16 @@ import binascii
 import hashlib
 import hmac
 import logging
+import mmap
 import os
 import secrets
 import stat
+import struct
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import numpy
 import torch
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -137,8 +142,9 @@ from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from cryptography.hazmat.primitives.poly1305 import Poly1305
 
-from .frame import (BOUND, ENCRYPTED, KEY_ID_BYTES, REFUSAL, REPLY, REQUEST,
+from .frame import (BOUND, ENCRYPTED, KEY_ID_BYTES, MAC_BYTES, REFUSAL, REPLY, REQUEST,
                     SESSION_BYTES, Frame, FrameError, Header, buffer_view, build_head, parse,
+                    plain_tensors,
                     refusal)
 
 __all__ = ["JobSecret", "Session", "Gate", "Caller", "Refused", "ReplyRejected",
@@ -226,7 +232,24 @@ def _nonce(kind: int, seq: int) -> bytes:
     """A message's 96-bit nonce: its direction (kind) and number. Its key is
     per (secret, session, server, direction[, server process]), and a session
     numbers its requests per server, so no key sees one nonce twice."""
-    return kind.to_bytes(4, "little") + seq.to_bytes(8, "little")
+    return _NONCE.pack(kind, seq)
+
+
+_NONCE = struct.Struct("<IQ")
+
+
+class _WireKeys:
+    """One direction's wire keys (:meth:`JobSecret.wire_keys`): the 64
+    bytes, the ChaCha20 key and its AEAD (made once per session, not per
+    message), the AES-256 key."""
+
+    __slots__ = ("raw", "chacha", "aead", "aes")
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.chacha = raw[:32]
+        self.aead = ChaCha20Poly1305(self.chacha)
+        self.aes = raw[32:]
 
 
 def encrypt_from_env() -> bool:
@@ -248,7 +271,7 @@ class JobSecret:
         self.encrypt = bool(encrypt)
         #: (session, server, direction, server boot id) -> its 64 bytes of
         #: wire keys (see :meth:`wire_keys`), oldest first, bounded.
-        self._wire: Dict[Tuple[bytes, str, int, bytes], bytes] = {}
+        self._wire: Dict[Tuple[bytes, str, int, bytes], _WireKeys] = {}
         self._wire_lock = threading.Lock()
         self.key_id = hashlib.sha256(b"moe_autograd key id\0" + self._key).digest()[:KEY_ID_BYTES]
         # HMAC-SHA256 (RFC 2104) with its two keyed states made once: a MAC is
@@ -339,20 +362,25 @@ class JobSecret:
         server's name. Bytes 0-32: the ChaCha20 key of the Poly1305
         one-time keys; 32-64: the AES-256-GCM key. Cached (``keep``: the
         gate keeps only those of requests that verified)."""
-        index = (session, server, kind, boot)
+        return self._wire_keys((session, server, kind, boot), keep).raw
+
+    def _wire_keys(self, index: Tuple[bytes, str, int, bytes], keep: bool) -> "_WireKeys":
+        """:meth:`wire_keys` of ``index`` (session, server, direction, boot
+        id), with the AEAD its MAC uses made once."""
         found = self._wire.get(index)
         if found is not None:
             return found
+        session, server, kind, boot = index
         name = server.encode()
         info = b"moe_autograd wire keys v2\0" + bytes([kind]) + len(name).to_bytes(4, "little") \
             + name
-        found = HKDF(algorithm=hashes.SHA256(), length=64, salt=session + boot,
-                     info=info).derive(self._key)
+        found = _WireKeys(HKDF(algorithm=hashes.SHA256(), length=64, salt=session + boot,
+                               info=info).derive(self._key))
         if keep:
             self.keep_wire_keys(index, found)
         return found
 
-    def keep_wire_keys(self, index: Tuple[bytes, str, int, bytes], keys: bytes) -> None:
+    def keep_wire_keys(self, index: Tuple[bytes, str, int, bytes], keys: "_WireKeys") -> None:
         with self._wire_lock:
             if len(self._wire) >= MAX_WIRE_KEYS:
                 del self._wire[next(iter(self._wire))]
@@ -484,23 +512,31 @@ def _label(name: str, boot: Optional[bytes]) -> bytes:
     return name.encode() if boot is None else name.encode() + b"\0" + boot
 
 
-def _prefix(label: bytes, head: Any) -> List[Any]:
+def _prefix(label: bytes, head: Any) -> bytes:
     """What a message's MAC (or its GCM associated data) covers before its
-    body: the label (length-prefixed) and the header up to the MAC field."""
-    return [len(label).to_bytes(4, "little"), label, head]
+    body: the label (length-prefixed) and the header up to the MAC field,
+    as one part."""
+    return len(label).to_bytes(4, "little") + label + head
 
 
-def _poly_tag(key: bytes, nonce: bytes, parts: Sequence[Any]) -> bytes:
+def _poly_tag(key: Any, nonce: bytes, parts: Sequence[Any], total: Optional[int] = None
+              ) -> bytes:
     """The tag of RFC 8439's ChaCha20-Poly1305 AEAD (section 2.8) with the
     concatenation of ``parts`` as associated data and nothing to encrypt:
     Poly1305 under the one-time key of ``nonce`` (section 2.6) over the data,
     zeros to a multiple of 16 bytes, and both lengths. A message of at most
     :data:`_ONE_CALL_BYTES` is joined and tagged in one call of the AEAD; a
     larger one is fed to Poly1305 part by part, without a copy (the same
-    tag)."""
-    total = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in parts)
+    tag). ``key``: the ChaCha20 key, or a :class:`_WireKeys`; ``total``: the
+    parts' length in bytes, where the caller knows it."""
+    if total is None:
+        total = sum(len(p) if isinstance(p, bytes) else memoryview(p).nbytes for p in parts)
+    if type(key) is _WireKeys:
+        aead, key = key.aead, key.chacha
+    else:
+        aead = None
     if total <= _ONE_CALL_BYTES:
-        return ChaCha20Poly1305(key).encrypt(nonce, b"", b"".join(parts))
+        return (aead or ChaCha20Poly1305(key)).encrypt(nonce, b"", b"".join(parts))
     mac = Poly1305(poly1305_key_gen(key, nonce))
     for part in parts:
         mac.update(part)
@@ -508,14 +544,52 @@ def _poly_tag(key: bytes, nonce: bytes, parts: Sequence[Any]) -> bytes:
     return mac.finalize()
 
 
-_ONE_CALL_BYTES = 1 << 17  # a message this small is joined and tagged in one call (measured:
-# joining 128 KiB costs what feeding Poly1305 part by part saves)
+_ONE_CALL_BYTES = 1 << 18  # a message this small is joined and tagged in one call (measured
+# in a training step's pass, bench wire/pass-auth-share: a backward request of 16 buffers and
+# 130 KiB costs 20 us less per end joined than fed part by part, whose one-time key and update
+# per part cost more than the copy)
+
+
+def _bytes_of(tensors: Optional[Sequence[Any]], views: Optional[List[memoryview]]
+              ) -> List[Any]:
+    """What the MAC reads of a message's buffers: ``views``, or, for plain
+    1-D uint8 tensors (:func:`~.frame.plain_tensors`), their NumPy arrays
+    (one ``numpy()`` each, without a :func:`~.frame.buffer_view`'s checks;
+    joining them with one ``torch.cat`` instead was measured slower in a
+    training step's pass)."""
+    if views is not None:
+        return views
+    assert tensors is not None
+    return [t.numpy() for t in tensors]
 
 
 def _cipher_buffer(nbytes: int) -> Any:
     """A new 1-D uint8 tensor for ``nbytes`` of GCM output (``update_into``
-    may ask for a block more than it writes), as the engines carry buffers."""
-    return torch.empty(nbytes + 15, dtype=torch.uint8)
+    may ask for a block more than it writes), as the engines carry buffers.
+    One of :data:`_HUGE_BYTES` or more is an anonymous mapping of its own,
+    aligned to and advised for huge pages (``MADV_HUGEPAGE``, where the
+    kernel has transparent huge pages): GCM writes it at about 9 GB/s, and a
+    new buffer of 4 KiB pages cost more than that in page faults (32 MiB:
+    about 17 ms of faults against 4 ms of GCM, measured; with huge pages,
+    about 3 ms). Private, not shared (shared anonymous memory is shmem, whose
+    huge pages are off by default). The mapping lives as long as a tensor or
+    view of it does."""
+    size = nbytes + 15
+    if size < _HUGE_BYTES or _HUGEPAGE is None:
+        return torch.empty(size, dtype=torch.uint8)
+    mapped = mmap.mmap(-1, size + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        mapped.madvise(_HUGEPAGE)
+    except OSError:  # (a kernel without transparent huge pages: 4 KiB pages)
+        pass
+    array = numpy.frombuffer(mapped, dtype=numpy.uint8)
+    start = -array.ctypes.data % _HUGE_PAGE
+    return torch.from_numpy(array[start:start + size])
+
+
+_HUGE_PAGE = 2 << 20
+_HUGE_BYTES = 4 << 20  # GCM output this large goes to a buffer of huge pages
+_HUGEPAGE: Optional[int] = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, body: bytes,
@@ -530,22 +604,29 @@ def _seal(secret: JobSecret, name: str, kind: int, session: bytes, seq: int, bod
     message per frame (nonce the message's), the label and header as
     associated data and the body then every buffer as its plaintext, the
     buffers replaced by their ciphertext."""
-    views = [buffer_view(b) for b in buffers]
     encrypt = secret.encrypt
+    found = None if encrypt else plain_tensors(buffers)
+    views: Optional[List[memoryview]] = None
+    if found is None:
+        views = [buffer_view(b) for b in buffers]
+        lengths = [v.nbytes for v in views]
+    else:
+        lengths = found
     flags = (BOUND if boot is not None else 0) | (ENCRYPTED if encrypt else 0)
-    head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body),
-                      [v.nbytes for v in views], flags=flags, boot=server_boot)
-    keys = secret.wire_keys(session, name, kind, server_boot)
-    nonce = _nonce(kind, seq)
+    head = build_head(kind, secret.key_id, session, seq, _now_ms(), len(body), lengths,
+                      flags=flags, boot=server_boot)
+    keys = secret._wire_keys((session, name, kind, server_boot), True)
+    nonce = _NONCE.pack(kind, seq)
+    prefix = _prefix(_label(name, boot), head)
     if not encrypt:
-        tag = _poly_tag(keys[:32], nonce, [*_prefix(_label(name, boot), head), body, *views])
+        total = len(prefix) + len(body) + sum(lengths)
+        tag = _poly_tag(keys, nonce, [prefix, body, *_bytes_of(buffers, views)], total)
         return head + tag + body, list(buffers)
-    encryptor = Cipher(algorithms.AES(keys[32:]), modes.GCM(nonce)).encryptor()
-    for part in _prefix(_label(name, boot), head):
-        encryptor.authenticate_additional_data(part)
+    encryptor = Cipher(algorithms.AES(keys.aes), modes.GCM(nonce)).encryptor()
+    encryptor.authenticate_additional_data(prefix)
     sealed_body = encryptor.update(body)
     out = []
-    for view in views:
+    for view in views or ():
         buffer = _cipher_buffer(view.nbytes)
         written = encryptor.update_into(view, buffer.numpy())
         out.append(buffer[:written])
@@ -561,23 +642,30 @@ def _open(secret: JobSecret, frame: Frame, header: Header, name: str, kind: int,
     an encrypted message's plaintext leaves before its tag verified."""
     head = frame.head
     index = (header.session, name, kind, header.boot)
-    keys = secret.wire_keys(*index, keep=keep)
-    nonce = _nonce(kind, header.seq)
-    tag = head[header.mac_start:header.body_start]
-    prefix = _prefix(_label(name, boot), memoryview(head)[:header.mac_start])
-    if not header.encrypted:
-        expected = _poly_tag(keys[:32], nonce, [*prefix, memoryview(head)[header.body_start:],
-                                                *header.views])
+    keys = secret._wire_keys(index, keep)
+    nonce = _NONCE.pack(kind, header.seq)
+    body_start = header.body_start
+    tag = head[body_start - MAC_BYTES:body_start]
+    prefix = _prefix(_label(name, boot), memoryview(head)[:body_start - MAC_BYTES])
+    if not header.flags & ENCRYPTED:
+        body = head[body_start:]
+        total = len(prefix) + len(body) + sum(header.lengths)
+        expected = _poly_tag(keys, nonce, [prefix, body, *_bytes_of(
+            header.tensors, None if header.tensors is not None else header.views)], total)
         if not hmac.compare_digest(tag, expected):  # (constant-time)
             return None
-        opened: Tuple[bytes, List[Any]] = (head[header.body_start:], list(frame.buffers))
+        opened: Tuple[bytes, List[Any]] = (body, list(frame.buffers))
     else:
-        decryptor = Cipher(algorithms.AES(keys[32:]), modes.GCM(nonce, tag)).decryptor()
-        for part in prefix:
-            decryptor.authenticate_additional_data(part)
-        body = decryptor.update(memoryview(head)[header.body_start:])
+        decryptor = Cipher(algorithms.AES(keys.aes), modes.GCM(nonce, tag)).decryptor()
+        decryptor.authenticate_additional_data(prefix)
+        body = decryptor.update(memoryview(head)[body_start:])
         out = []
-        for view in header.views:
+        owned = frame.owned
+        for view, received in zip(header.views, frame.buffers):
+            if owned and view.nbytes >= _IN_PLACE_BYTES and not view.readonly:
+                _decrypt_in_place(decryptor, view)
+                out.append(received if type(received) is torch.Tensor else view)
+                continue
             buffer = _cipher_buffer(view.nbytes)
             written = decryptor.update_into(view, buffer.numpy())
             out.append(buffer[:written])
@@ -589,6 +677,31 @@ def _open(secret: JobSecret, frame: Frame, header: Header, name: str, kind: int,
     if not keep:
         secret.keep_wire_keys(index, keys)
     return opened
+
+
+def _decrypt_in_place(decryptor: Any, view: memoryview) -> None:
+    """Decrypts the received buffer ``view`` into itself (``cryptography``
+    refuses overlapping input and output): a chunk at a time into a
+    per-thread scratch buffer that stays in cache, copied back over the chunk
+    it came from (GCM is a stream mode: each chunk's plaintext has its
+    length). Saves a new buffer, whose page faults cost more than GCM."""
+    scratch = getattr(_local, "scratch", None)
+    if scratch is None:
+        scratch = _local.scratch = memoryview(bytearray(_CHUNK_BYTES + 16))
+    n = view.nbytes
+    at = 0
+    while at < n:
+        end = min(n, at + _CHUNK_BYTES)
+        written = decryptor.update_into(view[at:end], scratch)
+        if written != end - at:  # (GCM writes what it is given, at once)
+            raise RuntimeError("GCM held back part of a chunk")
+        view[at:end] = scratch[:written]
+        at = end
+
+
+_local = threading.local()
+_CHUNK_BYTES = 256 << 10  # in-place decryption's chunk (in L2)
+_IN_PLACE_BYTES = 1 << 20  # an owned buffer this large is decrypted in place
 
 
 _process_boot = [secrets.token_bytes(BOOT_BYTES)]  # replies sealed without a gate's boot id
@@ -717,9 +830,9 @@ def session_for(secret: JobSecret) -> Session:
 
 
 # -- the server's side --------------------------------------------------------------------
-@dataclass(frozen=True)
-class Caller:
-    """Who sent an authenticated request: its job (key id) and session."""
+class Caller(NamedTuple):
+    """Who sent an authenticated request: its job (key id) and session (a
+    named tuple: one is made per request)."""
 
     key_id: bytes
     session: bytes
@@ -810,13 +923,12 @@ class Gate:
             raise self.refuse("malformed", f"a request: {error}") from None
         if header.kind != REQUEST:
             raise self.refuse("malformed", "a message that is not a request")
-        with self._lock:
-            known = self._keys.get(header.key_id)
+        known = self._keys.get(header.key_id)  # (one dict read: atomic, no lock)
         if known is None:
             raise self.refuse("unknown job", f"a request sealed with key id "
                                              f"{header.key_id.hex()}, not a job served here")
         secret = known[0]
-        if header.encrypted != secret.encrypt:
+        if bool(header.flags & ENCRYPTED) != secret.encrypt:
             raise self.refuse("encryption mismatch",
                               f"a request {'encrypted' if header.encrypted else 'in clear'} "
                               f"for job {header.key_id.hex()}, which "
@@ -825,7 +937,7 @@ class Gate:
         if header.boot != _NO_BOOT:
             raise self.refuse("malformed", "a request with a boot id field")
         opened = _open(secret, frame, header, me, REQUEST,
-                       self.boot if header.bound else None, keep=False)
+                       self.boot if header.flags & BOUND else None, keep=False)
         if opened is None:
             raise self.refuse("bad MAC", f"a request whose MAC does not verify (key id "
                                          f"{header.key_id.hex()}, session "
@@ -861,8 +973,7 @@ class Gate:
         if not accepted:
             raise self.refuse("replay", f"a replayed request ({header.seq} of session "
                                         f"{header.session.hex()[:8]})")
-        caller = Caller(header.key_id, header.session, header.seq)
-        return caller, opened[0], opened[1], secret
+        return Caller(header.key_id, header.session, header.seq), opened[0], opened[1], secret
 
     def restart(self) -> None:
         """A new process (a forked child): a new boot id, a floor at its start

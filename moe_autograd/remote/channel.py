@@ -20,9 +20,11 @@ Invariants:
   :class:`~.transport.TransportError` from the engine, and
   :class:`~.errors.RemoteAuthError` when the server refused the request or
   its reply fails.
-* ``result`` opens a reply once (later calls return the same value), on
-  whichever thread asks first: the engine's completion thread under
-  :func:`~.transport.when_done`.
+* ``result`` opens a reply once (later calls return the same value, or
+  raise the same error), on whichever thread asks first: the engine's
+  completion thread under :func:`~.transport.when_done`. (An engine may
+  hand over a reply whose buffers an encrypted message is decrypted into,
+  :attr:`~.frame.Frame.owned`: it cannot be opened twice.)
 """
 import threading
 from typing import Any, Callable, Dict, List, Optional
@@ -48,6 +50,7 @@ class Opened:
         self._transport, self._bound = transport, bound
         self._lock = threading.Lock()
         self._value: Optional[Reply] = None
+        self._failed: Optional[RemoteAuthError] = None
         add = getattr(pending, "add_done_callback", None)
         if add is not None:
             self.add_done_callback: Callable[[Callable[[], None]], None] = add
@@ -58,8 +61,14 @@ class Opened:
     def result(self, timeout: Optional[float]) -> Reply:
         frame = self._pending.result(timeout)
         with self._lock:
+            if self._failed is not None:  # (opened once: an owned reply was decrypted in place)
+                raise self._failed
             if self._value is None:
-                self._value = self._open(frame)
+                try:
+                    self._value = self._open(frame)
+                except RemoteAuthError as error:
+                    self._failed = error
+                    raise
             return self._value
 
     def _open(self, frame: Any) -> Reply:

@@ -46,13 +46,18 @@ Invariants:
   against the bytes that actually arrived, and against :data:`MAX_BODY_BYTES`
   and :data:`MAX_BUFFERS`, before anything else reads the frame.
 * ``Frame.label`` is local only (it never travels): what the message is, for
-  diagnostics and fault injection (``"forward"``, ``"backward"``, ...).
+  diagnostics and fault injection (``"forward"``, ``"backward"``, ...); so is
+  ``Frame.owned`` (the receiver's own buffers, which an encrypted message is
+  decrypted into, :mod:`.auth`).
 """
 import struct
 from dataclasses import dataclass, field
-from typing import Any, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
 
 __all__ = ["Frame", "Header", "FrameError", "parse", "buffer_lengths", "build_head", "refusal", "buffer_view",
+           "plain_tensors",
            "MAGIC", "VERSION", "REQUEST", "REPLY", "REFUSAL", "MAC_BYTES", "MAX_BUFFERS",
            "MAX_BODY_BYTES", "KEY_ID_BYTES", "SESSION_BYTES", "BOOT_BYTES", "BOUND", "ENCRYPTED"]
 
@@ -69,6 +74,8 @@ MAX_BUFFERS = 1 << 16          # tensors one message may carry
 MAX_BODY_BYTES = 64 << 20      # the body (schema values, not tensor data)
 _FIXED = struct.Struct("<4sBBBB8s16sQQ8sII")  # up to and including the buffer count
 _LENGTH = struct.Struct("<Q")
+_Tensor = torch.Tensor
+_uint8 = torch.uint8
 
 
 class FrameError(ValueError):
@@ -85,24 +92,44 @@ class Frame:
     head: bytes
     buffers: Sequence[Any] = field(default_factory=list)
     label: str = ""
+    #: The buffers are the receiver's own (an engine set it on a frame it
+    #: built from bytes it received, never shared with a sender or kept by
+    #: anyone else): an encrypted frame's buffers may then be decrypted in
+    #: place (:mod:`.auth`), and hold the plaintext, or garbage if the tag
+    #: failed, once opened. Local only, like ``label``.
+    owned: bool = False
 
 
-@dataclass(frozen=True)
 class Header:
-    """A parsed header (see the module docstring)."""
+    """A parsed header (see the module docstring); read-only by convention
+    (a slotted class, not a frozen dataclass: :func:`parse` makes one per
+    message, and a frozen dataclass's ``__init__`` costs a microsecond per
+    three fields)."""
 
-    kind: int
-    code: int
-    key_id: bytes
-    session: bytes
-    seq: int
-    sent_ms: int
-    body_start: int
-    body_len: int
-    lengths: List[int]
-    views: List[memoryview]  # the buffers' bytes (checked against ``lengths``)
-    flags: int = 0
-    boot: bytes = bytes(BOOT_BYTES)  # a reply's: the boot id of the process that sealed it
+    __slots__ = ("kind", "code", "key_id", "session", "seq", "sent_ms", "body_start",
+                 "body_len", "lengths", "_views", "flags", "boot", "tensors")
+
+    def __init__(self, kind: int, code: int, key_id: bytes, session: bytes, seq: int,
+                 sent_ms: int, body_start: int, body_len: int, lengths: List[int],
+                 views: Optional[List[memoryview]], flags: int = 0,
+                 boot: bytes = bytes(BOOT_BYTES), tensors: Optional[Sequence[Any]] = None
+                 ) -> None:
+        self.kind, self.code, self.key_id, self.session = kind, code, key_id, session
+        self.seq, self.sent_ms, self.body_start, self.body_len = seq, sent_ms, body_start, body_len
+        self.lengths = lengths  # each buffer's length
+        self._views = views
+        self.flags = flags
+        self.boot = boot  # a reply's: the boot id of the process that sealed it
+        #: The buffers, where every one is a plain 1-D uint8 CPU tensor
+        #: (:func:`plain_tensors`; their views are then made when asked for).
+        self.tensors = tensors
+
+    @property
+    def views(self) -> List[memoryview]:
+        """The buffers' bytes (checked against ``lengths``)."""
+        if self._views is None:
+            self._views = [memoryview(t.numpy()) for t in self.tensors or ()]
+        return self._views
 
     @property
     def bound(self) -> bool:
@@ -118,28 +145,81 @@ class Header:
     def mac_start(self) -> int:
         return self.body_start - MAC_BYTES
 
+    def __repr__(self) -> str:
+        return (f"Header(kind={self.kind}, code={self.code}, key_id={self.key_id.hex()}, "
+                f"session={self.session.hex()}, seq={self.seq}, sent_ms={self.sent_ms}, "
+                f"body_len={self.body_len}, lengths={list(self.lengths)}, flags={self.flags})")
+
+
+def plain_tensors(buffers: Sequence[Any]) -> Optional[List[int]]:
+    """The lengths of ``buffers`` if every one is a plain 1-D contiguous
+    uint8 CPU tensor (what the codec makes, what torch RPC delivers), else
+    ``None``: their bytes are then one ``numpy()`` each, without a
+    :func:`buffer_view` each."""
+    lengths = []
+    for buffer in buffers:
+        if type(buffer) is not _Tensor or buffer.dtype is not _uint8 or buffer.dim() != 1 \
+                or not buffer.is_cpu or not buffer.is_contiguous():
+            return None
+        lengths.append(buffer.numel())
+    return lengths
+
 
 def buffer_view(buffer: Any) -> memoryview:
     """The bytes of one buffer, without a copy."""
-    if isinstance(buffer, (bytes, bytearray, memoryview)):
+    if type(buffer) is _Tensor:  # (the common case first: the codec's 1-D uint8 tensors)
+        view = memoryview(buffer.numpy() if not buffer.requires_grad  # type: ignore[arg-type]
+                          else buffer.detach().numpy())
+    elif isinstance(buffer, (bytes, bytearray, memoryview)):
         view = memoryview(buffer)
-    elif hasattr(buffer, "numpy") and hasattr(buffer, "dtype"):  # a torch tensor
+    elif hasattr(buffer, "numpy") and hasattr(buffer, "dtype"):  # a torch tensor (subclass)
         view = memoryview(buffer.numpy() if not buffer.requires_grad
                           else buffer.detach().numpy())
     else:
         view = memoryview(buffer)  # a NumPy array, or anything with the buffer protocol
+    if view.ndim == 1 and view.format == "B":
+        if view.c_contiguous:
+            return view
+        raise FrameError("a buffer is not contiguous")
     if not view.contiguous:
         raise FrameError("a buffer is not contiguous")
-    return view.cast("B") if view.format != "B" or view.ndim != 1 else view
+    return view.cast("B")
+
+
+def _lengths_struct(n: int) -> struct.Struct:
+    """The ``n`` buffer lengths' format (made once per count)."""
+    found = _LENGTHS.get(n)
+    if found is None:
+        found = struct.Struct(f"<{n}Q")
+        if len(_LENGTHS) < 1024:
+            _LENGTHS[n] = found
+    return found
+
+
+def _head_struct(n: int) -> struct.Struct:
+    """The header up to the MAC with ``n`` (at most :data:`_PACKED_HEADS`)
+    buffers, in one format (made once per count)."""
+    found = _HEADS.get(n)
+    if found is None:
+        found = _HEADS[n] = struct.Struct(_FIXED.format + "Q" * n)
+    return found
+
+
+_PACKED_HEADS = 256  # buffer counts up to this have a header format of their own
+_LENGTHS: Dict[int, struct.Struct] = {}
+_HEADS: Dict[int, struct.Struct] = {}
 
 
 def build_head(kind: int, key_id: bytes, session: bytes, seq: int, sent_ms: int,
                body_len: int, lengths: Sequence[int], code: int = 0, flags: int = 0,
                boot: bytes = bytes(BOOT_BYTES)) -> bytes:
     """The header up to (not including) the MAC."""
-    fixed = _FIXED.pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq, sent_ms, boot,
-                        body_len, len(lengths))
-    return fixed + struct.pack(f"<{len(lengths)}Q", *lengths) if lengths else fixed
+    n = len(lengths)
+    if n <= _PACKED_HEADS:
+        return _head_struct(n).pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq,
+                                    sent_ms, boot, body_len, n, *lengths)
+    return _FIXED.pack(MAGIC, VERSION, kind, code, flags, key_id, session, seq, sent_ms, boot,
+                       body_len, n) + _lengths_struct(n).pack(*lengths)
 
 
 def refusal(code: int) -> Frame:
@@ -156,7 +236,7 @@ def buffer_lengths(head: Any) -> List[int]:
     n = _FIXED.unpack_from(head)[-1]
     if n > MAX_BUFFERS or len(head) < _FIXED.size + _LENGTH.size * n:
         raise FrameError("a frame's head too short for its buffer count")
-    return list(struct.unpack_from(f"<{n}Q", head, _FIXED.size))
+    return list(_lengths_struct(n).unpack_from(head, _FIXED.size))
 
 
 def parse(frame: Frame) -> Header:
@@ -188,16 +268,25 @@ def parse(frame: Frame) -> Header:
     if not isinstance(buffers, (list, tuple)) or len(buffers) != n:
         raise FrameError(f"the header announces {n} buffers, "
                          f"{len(buffers) if isinstance(buffers, (list, tuple)) else '?'} arrived")
-    lengths = list(struct.unpack_from(f"<{n}Q", head, _FIXED.size))
+    lengths = list(_lengths_struct(n).unpack_from(head, _FIXED.size)) if n else []
+    found = plain_tensors(buffers)
+    if found is not None:  # (torch RPC's, the codec's: no view made until one is asked for)
+        for k, length in enumerate(found):
+            if length != lengths[k]:
+                raise FrameError(f"buffer {k} has {length} bytes, the header says {lengths[k]}")
+        return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths,
+                      None, flags, boot, buffers)
     views = []
-    for k, (length, buffer) in enumerate(zip(lengths, buffers)):
+    k = 0
+    for buffer in buffers:
         try:
             view = buffer_view(buffer)
         except Exception as error:  # noqa: BLE001 - whatever an engine handed over
             raise FrameError(f"buffer {k} is not a byte buffer ({type(buffer).__name__}: "
                              f"{error})") from error
-        if view.nbytes != length:
-            raise FrameError(f"buffer {k} has {view.nbytes} bytes, the header says {length}")
+        if view.nbytes != lengths[k]:
+            raise FrameError(f"buffer {k} has {view.nbytes} bytes, the header says {lengths[k]}")
         views.append(view)
+        k += 1
     return Header(kind, code, key_id, session, seq, sent_ms, body_start, body_len, lengths, views,
                   flags, boot)

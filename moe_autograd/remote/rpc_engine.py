@@ -114,7 +114,8 @@ def _receive(head: bytes, carried: Any) -> Tuple[bytes, Union[Tensor, List[Any]]
         me = _my_name()
     except Exception:  # noqa: BLE001 - shutting down
         me = ""
-    reply = endpoint.serve(Frame(head, _uncarry(head, carried)), me)
+    # (the tensors TensorPipe received are this process's own: owned)
+    reply = endpoint.serve(Frame(head, _uncarry(head, carried), owned=True), me)
     return reply.head, _carry(reply.buffers)
 
 
@@ -196,7 +197,7 @@ class _RpcPending:
         if not (isinstance(value, tuple) and len(value) == 2 and isinstance(value[0], bytes)):
             raise TransportError("a reply that is not a frame (is the peer a moe_autograd "
                                  "server of this version?)")
-        return Frame(value[0], _uncarry(value[0], value[1]), "reply")
+        return Frame(value[0], _uncarry(value[0], value[1]), "reply", owned=True)
 
 
 def _agent_seconds(limit: float) -> float:

@@ -134,6 +134,7 @@ _HEAD = struct.Struct("<IBBB")  # buffer index, dtype code, requires_grad, dimen
 _DESCRIPTORS = [struct.Struct("<IBBB" + "Q" * (2 * n)) for n in range(MAX_DIMS + 1)]
 _COMPLEX = frozenset(code for code, dtype in enumerate(_BY_CODE) if dtype.is_complex)
 _STRIDED = torch.strided
+_UINT8 = torch.uint8
 
 
 class WireError(ValueError):
@@ -157,6 +158,14 @@ def _span(t: Tensor) -> int:
 
 
 # -- encoding ---------------------------------------------------------------------------
+def _ext(code_data: Tuple[int, bytes]) -> Any:
+    """``msgpack.ExtType(code, data)`` without its ``__new__``'s checks in
+    Python (a microsecond a tensor): our codes are 1 to 3 and our data
+    bytes, and msgpack's C packer reads the named tuple's two fields."""
+    return _new_tuple(msgpack.ExtType, code_data)
+
+
+_new_tuple = tuple.__new__
 _META = "a meta tensor cannot travel: it has no data to send"
 
 
@@ -172,15 +181,15 @@ class _Encoder:
         if isinstance(obj, Tensor):
             if obj.is_meta:
                 raise WireTypeError(_META)
-            return msgpack.ExtType(_TENSOR, self.tensor(obj))
+            return _ext((_TENSOR, self.tensor(obj)))
         if type(obj) is cz.Compressed:
             if isinstance(obj.tensor, Tensor) and obj.tensor.is_meta:
                 raise WireTypeError(_META)
             packed = self.packed(obj)
-            return msgpack.ExtType(_TENSOR, self.tensor(obj.tensor)) if packed is None \
-                else msgpack.ExtType(_PACKED, packed)
+            return _ext((_TENSOR, self.tensor(obj.tensor))) if packed is None \
+                else _ext((_PACKED, packed))
         if type(obj) is tuple:
-            return msgpack.ExtType(_TUPLE, self.pack(list(obj)))
+            return _ext((_TUPLE, self.pack(list(obj))))
         if type(obj) is int:  # msgpack hands over the ints it cannot pack
             raise WireTypeError(f"an int outside 64 bits ({obj}) cannot travel: the wire "
                                 f"carries ints from {-MAX_INT - 1} to {MAX_INT}")
@@ -341,9 +350,9 @@ def _flat(buffer: Any) -> Tensor:
     """Buffer ``buffer`` as a writable 1-D uint8 tensor (shared, or copied
     when it arrived read-only)."""
     if isinstance(buffer, Tensor):
-        if buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.is_contiguous() \
-                and buffer.device.type == "cpu" and type(buffer) is Tensor:
-            return buffer.detach()
+        if type(buffer) is Tensor and buffer.dtype is _UINT8 and buffer.dim() == 1 \
+                and buffer.is_cpu and buffer.is_contiguous():
+            return buffer  # (uint8: nothing to detach; every tensor made of it is a new view)
         raise WireError("a buffer tensor must be a contiguous 1-D uint8 CPU tensor")
     view = buffer_view(buffer)
     if view.nbytes == 0:
@@ -458,11 +467,19 @@ class _Decoder:
                                object_hook=self.counted_map)
 
     def counted_map(self, value: Dict[str, Any]) -> Dict[str, Any]:
-        self.count(value, value.values())
+        self.containers += 1  # (count's first lines, inlined: one per container)
+        if self.containers > self.max_containers or value and not _LEAVES.issuperset(
+                map(type, value.values())):
+            self.containers -= 1
+            self.count(value, value.values())
         return value
 
     def counted(self, value: List[Any]) -> List[Any]:
-        self.count(value, value)
+        self.containers += 1
+        if self.containers > self.max_containers or value and not _LEAVES.issuperset(
+                map(type, value)):
+            self.containers -= 1
+            self.count(value, value)
         return value
 
     def count(self, container: Any, items: Any) -> None:
@@ -526,7 +543,7 @@ class _Decoder:
         if code >= len(_BY_CODE) or requires_grad > 1:
             raise WireError(f"tensor {index}: a malformed descriptor")
         sizes, steps = fields[4:4 + ndim], fields[4 + ndim:]
-        if ndim and max(max(sizes), max(steps)) >= _DIM_LIMIT:
+        if ndim and max(fields[4:]) >= _DIM_LIMIT:
             raise WireError(f"tensor {index}: a size or stride past 2**48")
         dtype = _BY_CODE[code]
         if requires_grad and not (dtype.is_floating_point or dtype.is_complex):
@@ -534,7 +551,7 @@ class _Decoder:
         numel = math.prod(sizes)
         if numel > MAX_ELEMENTS:
             raise WireError(f"tensor {index}: {numel} elements, more than {MAX_ELEMENTS}")
-        span = 0 if numel == 0 else 1 + sum((n - 1) * s for n, s in zip(sizes, steps))
+        span = 0 if numel == 0 else 1 + sum([(n - 1) * s for n, s in zip(sizes, steps)])
         itemsize = dtype.itemsize
         flat = _flat(self.buffers[index])
         nbytes = flat.numel()

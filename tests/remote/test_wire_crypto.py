@@ -56,7 +56,8 @@ def test_the_one_time_key_is_rfc_8439s() -> None:
         "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646")
 
 
-@pytest.mark.parametrize("sizes", [[0], [5, 11], [16], [131056, 16], [131072, 1], [1 << 20, 3, 7]])
+@pytest.mark.parametrize("sizes", [[0], [5, 11], [16], [131056, 16], [131072, 1], [262128, 16],
+                                   [262144, 1], [1 << 20, 3, 7]])
 def test_a_tag_is_rfc_8439s_aead_tag_whether_joined_or_streamed(sizes: List[int]) -> None:
     """The plain MAC is the tag of RFC 8439's ChaCha20-Poly1305 with the
     message as associated data and nothing to encrypt: the library's AEAD
@@ -174,6 +175,83 @@ def test_an_encrypted_frame_carries_no_plaintext() -> None:
         for k in range(0, len(PATTERN) - 16, 8):
             assert PATTERN[k:k + 16] not in sent, kind
         assert body not in sent
+
+
+def _big_message() -> Tuple[bytes, List[Any], torch.Tensor]:
+    """A request whose tensor is past the in-place and huge-page thresholds."""
+    tensor = torch.randn(1 << 20)  # 4 MiB
+    body, buffers = wire.encode({"op": "x", "args": [tensor, torch.ones(3)]})
+    return body, buffers, tensor
+
+
+def _received(frame: Frame, owned: bool = True) -> Frame:
+    """``frame`` as an engine that copies what it receives hands it over."""
+    return Frame(frame.head, [b.clone() for b in frame.buffers], frame.label, owned=owned)
+
+
+@pytest.mark.parametrize("kind", ["request", "reply"])
+def test_an_owned_frame_is_decrypted_in_place_and_others_are_not(kind: str) -> None:
+    """A frame whose buffers are the receiver's own (torch RPC's) is decrypted
+    into them; a frame that is not (the in-process transport's, a captured
+    one) keeps its ciphertext, and every copy of it opens the same."""
+    _, session, gate = _pair(True)
+    body, buffers, tensor = _big_message()
+    frame, seq = session.seal("srv", body, buffers)
+    if kind == "reply":
+        caller, _, _, used = gate.open(frame, "srv")
+        frame = Gate.seal_reply(used, caller, "srv", body, buffers)
+
+    def open_(received: Frame) -> Tuple[bytes, Any]:
+        if kind == "request":
+            _, got, got_buffers, _ = _gate_with(session).open(received, "srv")
+            return got, got_buffers
+        return session.open_reply("srv", seq, received)
+
+    ciphertext = [b.clone() for b in frame.buffers]
+    shared = _received(frame, owned=False)
+    got, got_buffers = open_(shared)
+    assert torch.equal(wire.decode(got, got_buffers)["args"][0], tensor)
+    assert all(torch.equal(a, b) for a, b in zip(shared.buffers, ciphertext))  # untouched
+    owned = _received(frame)
+    got, got_buffers = open_(owned)
+    assert got_buffers[0] is owned.buffers[0]  # decrypted into the buffer that arrived
+    assert got_buffers[1] is not owned.buffers[1]  # (a small one: into a new buffer)
+    value = wire.decode(got, got_buffers)
+    assert torch.equal(value["args"][0], tensor) and torch.equal(value["args"][1], torch.ones(3))
+    assert value["args"][0].data_ptr() == owned.buffers[0].data_ptr()
+
+
+def _gate_with(session: Session) -> Gate:
+    gate = _gate()
+    gate.admit([session.secret])
+    return gate
+
+
+@pytest.mark.parametrize("where", ["big", "small", "body"])
+def test_an_owned_frame_changed_anywhere_is_refused(where: str) -> None:
+    secret, session, gate = _pair(True)
+    body, buffers, _ = _big_message()
+    frame, _ = session.seal("srv", body, buffers)
+    received = _received(frame)
+    head = bytearray(received.head)
+    if where == "body":
+        head[parse(frame).body_start + 1] ^= 1
+    else:
+        received.buffers[0 if where == "big" else 1][5] ^= 1
+    before = _refused().get("bad MAC", 0)
+    with pytest.raises(Refused, match="^bad MAC"):
+        gate.open(Frame(bytes(head), received.buffers, owned=True), "srv")
+    assert _refused()["bad MAC"] == before + 1
+    gate.open(_received(frame), "srv")  # the original, received again: taken
+
+
+def test_large_cipher_buffers_are_writable_and_of_their_size() -> None:
+    from moe_autograd.remote.auth import _cipher_buffer
+    for n in (0, 100, (4 << 20) - 15, 4 << 20, (8 << 20) + 3):
+        buffer = _cipher_buffer(n)
+        assert buffer.dtype == torch.uint8 and buffer.dim() == 1 and buffer.numel() == n + 15
+        buffer.fill_(7)
+        assert int(buffer[-1]) == 7 and buffer.numpy().flags.writeable
 
 
 def test_a_message_in_clear_to_an_encrypting_job_is_refused_and_counted() -> None:
