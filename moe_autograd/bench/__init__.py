@@ -39,7 +39,7 @@ Groups
     per-call random stream.
 ``wire``
     :mod:`.wire`: what the remote wire (a schema, no pickle) and its
-    authentication (Poly1305; AES-256-GCM encrypted) cost per pass, against pickle.
+    authentication (GMAC; AES-256-GCM encrypted) cost per pass, against pickle.
 ``remote``
     :mod:`.remote`: remote experts against ``torch.distributed.autograd``.
 ``trainers``

@@ -2,7 +2,7 @@
 
 Why: every message of remote experts is now encoded as a schema (msgpack and
 raw tensor buffers, :mod:`moe_autograd.remote.wire`) and sealed with
-Poly1305 under one-time keys (:mod:`moe_autograd.remote.auth`; AES-256-GCM
+GMAC (:mod:`moe_autograd.remote.auth`; AES-256-GCM
 where the job encrypts), where it used to be pickled
 (with torch's tensor reducers on Ray; TensorPipe on RPC). These rows time
 the CPU both ends spend on that, without any engine, so the engines' own
@@ -17,13 +17,13 @@ costs (TensorPipe's, Ray's) do not hide it:
 * ``wire/pass-auth-share``: the same pass, ours against the codec alone (no
   MAC, no replay window): what authentication adds.
 * ``wire/32MiB-vs-pickle``: one request carrying a 32 MiB float32 tensor
-  (an activation of 4,096 x 2,048): Poly1305 over it (about 11 GB/s here),
+  (an activation of 4,096 x 2,048): GMAC over it (about 21 GB/s here),
   twice (seal, open). HMAC-SHA256 (1.5 GB/s) dominated it before issue 47.
 * ``wire/32MiB-encrypted-vs-plain``: the same request sealed and opened by a
   job that encrypts (AES-256-GCM into a new buffer of huge pages at seal,
   and in place at open: the receiver's buffers are its own, as torch RPC
   hands them over; Ray's arrive read-only and are decrypted into a new
-  buffer) against one that does not (Poly1305, the tensor's own buffer):
+  buffer) against one that does not (GMAC, the tensor's own buffer):
   what encryption costs.
 """
 import pickle
@@ -124,7 +124,7 @@ def bench_wire(quick: bool) -> List[Row]:
                     f"encode + seal + open + decode of one pass ({shape}) vs pickle dumps + "
                     "loads of the old messages (torch's tensor reducers)"),
             compare("wire/pass-auth-share", samples, "codec", "ours", 1.3,
-                    "the same pass, ours vs the codec alone: ChaCha20-Poly1305's tag over "
+                    "the same pass, ours vs the codec alone: GMAC over "
                     "header, body and buffers, the replay window, the reply's binding")]
     big = torch.randn(4096, 2048)
     message = {"op": "forward", "expert": "e", "call": "c" * 32, "seed": 1, "grad": True,
@@ -135,12 +135,12 @@ def bench_wire(quick: bool) -> List[Row]:
                        "encrypted": _sealed_pass(big_request, True, encrypt=True),
                        "pickle": _pickled([old])}, big_plan.reps, big_plan.warmup)
     rows.append(compare("wire/32MiB-vs-pickle", samples, "pickle", "ours", 0.15,
-                        "one request with a 4096x2048 float32 tensor (32 MiB): Poly1305 over "
+                        "one request with a 4096x2048 float32 tensor (32 MiB): GMAC over "
                         "it at seal and open; pickle copies the bytes once each way"))
     rows.append(compare("wire/32MiB-encrypted-vs-plain", samples, "ours", "encrypted", 2.0,
                         "the same request, its job encrypting (AES-256-GCM into a new buffer "
                         "of huge pages at seal, in place into the receiver's own at open) vs not "
-                        "(Poly1305 over the tensor's own bytes)"))
+                        "(GMAC over the tensor's own bytes)"))
     return rows
 
 

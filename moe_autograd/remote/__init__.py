@@ -11,7 +11,7 @@ backward) and in :func:`moe_autograd.map_with_parallel_backward` (with
 Trust model (the README's "Security" section says it in full): a *job* is a
 trainer and the servers it admits; they share a :class:`JobSecret`
 (``python -m moe_autograd secret``, read from ``MOE_AUTOGRAD_SECRET_FILE``).
-Every request and reply is sealed with it (Poly1305, a session and a
+Every request and reply is sealed with it (GMAC, a session and a
 number against replays, :mod:`.auth`) and is a fixed schema of values and
 raw tensor buffers (:mod:`.wire`): nothing our code receives is unpickled,
 and a server runs only operations it registered on experts it hosts. A

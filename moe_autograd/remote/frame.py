@@ -29,11 +29,11 @@ Layout of :attr:`Frame.head` (little-endian)::
     56        4     body length
     60        4     n, the number of buffers
     64        8 n   each buffer's length in bytes
-    64 + 8 n  16    MAC: Poly1305 with a one-time key (plain), or the AES-256-GCM
+    64 + 8 n  16    MAC: GMAC under the session's MAC key (plain), or the AES-256-GCM
                     tag (encrypted), over all of the above, the body, the buffers
     80 + 8 n  ...   the body (msgpack, :mod:`.wire`; its ciphertext if encrypted)
 
-The MAC field is 16 bytes, the tag of both Poly1305 and GCM (version 1 had
+The MAC field is 16 bytes, the tag of GMAC and of GCM (version 1 had
 32, HMAC-SHA256's). An encrypted message's lengths are its plaintext's (GCM
 is a stream mode: ciphertext and plaintext have one length).
 

@@ -1,4 +1,4 @@
-"""The wire's MAC (Poly1305, one-time keys) and its opt-in encryption
+"""The wire's MAC (GMAC under per-session keys) and its opt-in encryption
 (AES-256-GCM), issue 47: the keys of each direction, server and message are
 their own; a changed byte anywhere is refused; an encrypted frame carries no
 plaintext; a message whose encryption is not its job's is refused; remote
@@ -12,7 +12,7 @@ import torch
 import remote_experts as rx
 from moe_autograd.remote import ExpertServer, RemoteAuthError, RemoteExpert, security_stats, wire
 from moe_autograd.remote.auth import (Gate, JobSecret, Refused, ReplyRejected, Session,
-                                      poly1305_key_gen, _nonce)
+                                      _nonce)
 from moe_autograd.remote.frame import MAC_BYTES, REPLY, REQUEST, Frame, parse
 from wiring import SECRET, InProcess
 
@@ -47,32 +47,35 @@ def _pair(encrypt: bool) -> Tuple[JobSecret, Session, Gate]:
     return secret, Session(secret), gate
 
 
-# -- the one-time keys -------------------------------------------------------------------
-def test_the_one_time_key_is_rfc_8439s() -> None:
-    """RFC 8439 section 2.6.2's test vector."""
-    key = bytes(range(0x80, 0xA0))
-    nonce = bytes.fromhex("000000000001020304050607")
-    assert poly1305_key_gen(key, nonce) == bytes.fromhex(
-        "8ad5a08b905f81cc815040274ab29471a833b637e3fd0da508dbb8e2fdd1a646")
+# -- the MAC and its keys ----------------------------------------------------------------
+def test_the_mac_is_gmac_nist_test_case_13() -> None:
+    """GCM's spec (McGrew and Viega), test case 13: AES-256, a zero key and
+    nonce, nothing to authenticate or encrypt: the tag both paths give."""
+    from moe_autograd.remote.auth import _WireKeys, _mac_tag
+
+    keys = _WireKeys(bytes(64))
+    expected = bytes.fromhex("530f8afbc74536b9a963b4f1c4cb738b")
+    assert _mac_tag(keys, bytes(12), []) == expected
+    assert _mac_tag(keys, bytes(12), [], total=1 << 20) == expected  # (the part-by-part path)
 
 
-@pytest.mark.parametrize("sizes", [[0], [5, 11], [16], [131056, 16], [131072, 1], [262128, 16],
-                                   [262144, 1], [1 << 20, 3, 7]])
-def test_a_tag_is_rfc_8439s_aead_tag_whether_joined_or_streamed(sizes: List[int]) -> None:
-    """The plain MAC is the tag of RFC 8439's ChaCha20-Poly1305 with the
-    message as associated data and nothing to encrypt: the library's AEAD
-    computes it for small messages, Poly1305 part by part (with the AEAD's
-    padding and lengths) for large ones; both give the AEAD's tag, on each
-    side of the threshold, and RFC 8439 section 2.8.2's vector holds."""
-    from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+@pytest.mark.parametrize("sizes", [[0], [5, 11], [16], [32752, 16], [32768, 1], [32769],
+                                   [1 << 20, 3, 7]])
+def test_a_tag_is_gmac_whether_joined_or_streamed(sizes: List[int]) -> None:
+    """The plain MAC is GMAC (AES-256-GCM with the message as associated
+    data and nothing to encrypt): joined and tagged in one call for small
+    messages, fed part by part for large ones; both give the library's
+    AES-GCM tag, on each side of the threshold."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    from moe_autograd.remote.auth import _poly_tag
+    from moe_autograd.remote.auth import _WireKeys, _mac_tag
 
-    key, nonce = bytes(range(32)), bytes(range(12))
+    raw = bytes(range(64))
+    keys, nonce = _WireKeys(raw), bytes(range(12))
     parts = [bytes((k * 7 + n) % 256 for n in range(size)) for k, size in enumerate(sizes)]
-    expected = ChaCha20Poly1305(key).encrypt(nonce, b"", b"".join(parts))
-    assert _poly_tag(key, nonce, parts) == expected
-    assert _poly_tag(key, nonce, [memoryview(p) for p in parts]) == expected
+    expected = AESGCM(raw[:32]).encrypt(nonce, b"", b"".join(parts))
+    assert _mac_tag(keys, nonce, parts) == expected
+    assert _mac_tag(keys, nonce, [memoryview(p) for p in parts]) == expected
 
 
 def test_keys_differ_per_destination_direction_process_and_number() -> None:
@@ -84,10 +87,8 @@ def test_keys_differ_per_destination_direction_process_and_number() -> None:
             secret.wire_keys(bytes(16), "srv-a", REQUEST),
             JobSecret.generate().wire_keys(session, "srv-a", REQUEST)}
     assert len(keys) == 6 and all(len(k) == 64 and k[:32] != k[32:] for k in keys)
-    mac_key = secret.wire_keys(session, "srv-a", REQUEST)[:32]
-    one_time = {poly1305_key_gen(mac_key, _nonce(kind, seq)) for kind in (REQUEST, REPLY)
-                for seq in range(1, 50)}
-    assert len(one_time) == 98
+    nonces = {_nonce(kind, seq) for kind in (REQUEST, REPLY) for seq in range(1, 50)}
+    assert len(nonces) == 98 and all(len(n) == 12 for n in nonces)
 
 
 @pytest.mark.parametrize("encrypt", [False, True])
