@@ -850,7 +850,7 @@ class ModuleCall(IsolatedCall):
             return None
         self._wait_recompute()
         self._recomputed_for_hooks = True
-        saves.replay()
+        saves.replay(self.name)
         return saves
 
     # -- backward --------------------------------------------------------------

@@ -940,7 +940,7 @@ def attach(calls: Sequence[IsolatedCall], policy: Optional[BackwardPolicy] = Non
         return outputs
     for call in calls:
         if call.saves is not None:
-            call.saves.replay()
+            call.saves.replay(getattr(call, "name", "call"))
     plan = _Plan(calls, policy, name)
     plan.lanes = lanes
     plan.streams = any(call.streams for call in calls)

@@ -49,10 +49,11 @@ _UNPACKED = object()
 
 
 class _Saved:
-    __slots__ = ("value", "packed", "error")
+    __slots__ = ("value", "version", "packed", "error")
 
     def __init__(self, value: Tensor) -> None:
         self.value: Optional[Tensor] = value
+        self.version = value._version  # when it was saved (see CallSaves.replay)
         self.packed: Any = _UNPACKED
         #: Why the user's unpack could not give the value (see ``fail``).
         self.error: Optional[BaseException] = None
@@ -85,12 +86,25 @@ class CallSaves:
         return value
 
     # -- the caller's side ---------------------------------------------------
-    def replay(self) -> None:
-        """Packs every slot with the user's hook, in the order they were saved."""
+    def replay(self, name: str = "call") -> None:
+        """Packs every slot with the user's hook, in the order they were
+        saved. A tensor modified in place since it was saved (later in its
+        call) raises, naming ``name``: the user's pack would see it changed
+        where the loop's saw it as saved (a copying pack keeps those values),
+        and nothing here kept them."""
         pack = self.hooks[0]
         for slot in self.slots:
             if slot.packed is _UNPACKED:
-                slot.packed = pack(slot.value)  # type: ignore[arg-type]
+                value = slot.value
+                assert value is not None
+                if value._version != slot.version:
+                    raise RuntimeError(
+                        f"{name}: a tensor it saved for backward was modified in place later "
+                        f"in the call (version {slot.version} -> {value._version}); the "
+                        "caller's saved_tensors_hooks pack it once the call has returned, the "
+                        "loop's as it is saved, so they would see other values: clone it "
+                        "before modifying it, or call this expert outside those hooks")
+                slot.packed = pack(value)
                 slot.value = None
 
     def materialize(self) -> None:

@@ -12,9 +12,13 @@ differently and would be lost silently on that path:
   clone-before-mutate dispatch mode lives on the caller's thread, and a
   checkpointed call's recomputation runs outside it (issue 46);
 * ``torch.autograd.graph.disable_saved_tensors_hooks()``: the runtime's calls
-  register saved-tensor hooks of their own, which the loop does not.
+  register saved-tensor hooks of their own, which the loop does not;
+* tensor subclasses among the calls' arguments (a ``__torch_function__``
+  subclass, say): a call's inputs are detached leaves and its outputs the
+  node's plain tensors, so the subclass, and a view of such an input
+  returned as is, would come back plain and detached (issue 46).
 
-In any of these modes the entry points (:func:`moe_autograd.parallel_apply`,
+In any of these modes (or with such arguments) the entry points (:func:`moe_autograd.parallel_apply`,
 :func:`moe_autograd.map_with_parallel_backward`) run the calls sequentially on
 the caller, exactly as a loop would (so results, tangents and errors are the
 loop's); layers that cannot run sequentially (the MoE layer's deadlines)
@@ -24,8 +28,9 @@ The entry points are also opaque to ``torch.compile``
 (:func:`opaque_to_dynamo`): dynamo would otherwise trace into the pool's
 threads and finalizers; it breaks the graph around them instead.
 
-Invariants: :func:`sequential_mode` costs four cheap reads and never
-looks at the tensors; :func:`opaque_to_dynamo` never imports
+Invariants: :func:`sequential_mode` costs four cheap reads and one walk
+over the arguments' containers (the type of each tensor; never the
+experts' parameters); :func:`opaque_to_dynamo` never imports
 dynamo itself (seconds of import time), it only uses it once something else
 has.
 """
@@ -90,6 +95,36 @@ def sequential_mode(tree: Any) -> Optional[str]:
         # (and a checkpointed call's forward keeps nothing through them): the
         # loop registers none, so it runs here (issue 46).
         return "torch.autograd.graph.disable_saved_tensors_hooks()"
+    subclass = _subclass_in(tree, 0)
+    if subclass is not None:
+        return f"a tensor subclass argument ({subclass.__module__}.{subclass.__qualname__})"
+    return None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _subclass_in(tree: Any, depth: int) -> Optional[type]:
+    """The type of the first tensor of a subclass in ``tree`` (lists, tuples
+    and dicts of the calls' arguments; modules and other objects are not
+    looked into), or None."""
+    kind = type(tree)
+    if kind in _PLAIN:
+        return None
+    if isinstance(tree, torch.Tensor):
+        return kind
+    if depth > 8:
+        return None
+    if kind in (list, tuple) or isinstance(tree, (list, tuple)):
+        for item in tree:
+            found = _subclass_in(item, depth + 1)
+            if found is not None:
+                return found
+    elif isinstance(tree, dict):
+        for item in tree.values():
+            found = _subclass_in(item, depth + 1)
+            if found is not None:
+                return found
     return None
 
 

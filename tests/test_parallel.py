@@ -7,6 +7,7 @@ import threading
 import time
 import types
 import weakref
+from typing import List, Tuple
 
 import pytest
 import torch
@@ -1721,17 +1722,46 @@ class _Tagged(torch.Tensor):
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="known limit (issue 46, README semantics table): in lanes/parallel "
-                          "the node's outputs are plain tensors; a __torch_function__ subclass "
-                          "the loop's outputs have is lost (values and gradients are equal)")
-def test_a_tensor_subclass_comes_back_as_the_loops() -> None:
-    experts = [nn.Linear(4, 4) for _ in range(2)]
-    xs = [torch.randn(2, 4).as_subclass(_Tagged) for _ in experts]
-    want = [e(x) for e, x in zip(experts, xs)]
-    outs = parallel_apply(experts, xs, mode="parallel")
-    assert all(torch.equal(a, b) for a, b in zip(outs, want))  # values: equal
-    assert [type(o) for o in outs] == [type(w) for w in want]
+class _ViewOf(nn.Module):
+    def forward(self, x: Tensor) -> Tensor:
+        return x[:, :2]
+
+
+class _Twice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        y = self.lin(x)
+        return y, y * 2
+
+
+@pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_a_tensor_subclass_argument_runs_as_the_loop(mode: str, checkpoint: bool) -> None:
+    """(issue 46) Tensor subclass arguments (a ``__torch_function__``
+    subclass): the calls run as the loop, on the caller, so outputs keep the
+    subclass, an input returned as a view stays attached to it, and an
+    expert that returns ``y, y * 2`` computes (before: plain outputs, a
+    detached view with its gradient lost, an internal error)."""
+    torch.manual_seed(0)
+    experts: List[nn.Module] = [nn.Linear(4, 4), _ViewOf(), _Twice()]
+    ref = copy.deepcopy(experts)
+    xs = [torch.randn(2, 4).as_subclass(_Tagged).requires_grad_() for _ in experts]
+    lxs = [x.detach().clone().as_subclass(_Tagged).requires_grad_() for x in xs]
+    want = [e(x) for e, x in zip(ref, lxs)]
+    outs = parallel_apply(experts, xs, mode=mode, checkpoint=checkpoint)
+    flat = [outs[0], outs[1], *outs[2]]
+    flat_want = [want[0], want[1], *want[2]]
+    assert [type(o) for o in flat] == [type(w) for w in flat_want]
+    assert all(o.requires_grad for o in flat)
+    sum(o.sum() for o in flat).backward()
+    sum(w.sum() for w in flat_want).backward()
+    assert all(torch.equal(x.grad, lx.grad) for x, lx in zip(xs, lxs))
+    for e, r in zip(experts, ref):
+        for p, q in zip(e.parameters(), r.parameters()):
+            assert torch.equal(p.grad, q.grad)
 
 
 @pytest.mark.parametrize("mode", ["lanes", "parallel"])

@@ -15,7 +15,7 @@ import random
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple, Union
 
 from oracle_experts import (OUTPUTS, RANDOM_STAGES, SHARED_STAGES, STATEFUL_STAGES,
-                            compile_backends)
+                            TIED_STAGES, compile_backends)
 from oracle_functions import FUNCTIONS, RANDOM_FUNCTIONS
 
 MODES = ("inline", "lanes", "parallel", "auto")
@@ -107,6 +107,21 @@ class Case:
     #: is not an Exception) in forward, and call ``other``'s (if any) a
     #: ValueError.
     interrupt: Optional[Tuple[int, str, Optional[int]]] = None
+    # -- issue 46's constructs (drawn by ``_issue46``, from a stream of their own) --
+    #: What the caller changes between an iteration's forward(s) and its
+    #: backward: ``"task"`` (the ``task`` stages' plain attribute), ``"eval"``
+    #: (``eval()`` on every expert; ``train()`` again at the next iteration).
+    between: Tuple[str, ...] = ()
+    #: Forwards of the batch per iteration before its one backward (the
+    #: ``task`` stages' attribute is the forward's number in each).
+    forwards: int = 1
+    #: The caller's autograd setting around every iteration (forward and
+    #: backward): ``"allow_mutation"`` (``allow_mutation_on_saved_tensors``),
+    #: ``"saved_hooks"`` (a lossy ``saved_tensors_hooks`` pack: a bf16 round
+    #: trip), ``"disable_saved_hooks"`` (``disable_saved_tensors_hooks``).
+    caller_ctx: Optional[str] = None
+    #: The calls' floating inputs are a ``__torch_function__`` subclass.
+    subclass: bool = False
 
     @property
     def n(self) -> int:
@@ -148,6 +163,8 @@ class Case:
         lines.append(f"  issue 30: shared_stage={self.shared_stage} keep_in_loss={self.keep_in_loss} "
                      f"keep_named={self.keep_named} transform={self.transform} "
                      f"threads={self.threads} interrupt={self.interrupt}")
+        lines.append(f"  issue 46: between={list(self.between)} forwards={self.forwards} "
+                     f"caller_ctx={self.caller_ctx} subclass={self.subclass}")
         return "\n".join(lines)
 
 
@@ -250,7 +267,8 @@ def generate(seed: int, index: int) -> Case:
         second_backward=backward and grad_method == "backward" and rng.random() < 0.1,
         optimizer=optimizer, iterations=iterations, raise_at=raise_at, function=function,
     )
-    return _issue30(case, random.Random(f"{seed}:{index}:issue30"))
+    case = _issue30(case, random.Random(f"{seed}:{index}:issue30"))
+    return _issue46(case, random.Random(f"{seed}:{index}:issue46"))
 
 
 #: The compile backends a case may draw, and how often (inductor compiles
@@ -341,6 +359,89 @@ def _issue30(case: Case, rng: random.Random) -> Case:
     return dataclasses.replace(case, calls=tuple(calls), **changes)  # type: ignore[arg-type]
 
 
+def _issue46(case: Case, rng: random.Random) -> Case:
+    """Issue 46's constructs, drawn from their own stream ``rng`` (the rest
+    of every case, and every known divergence's witness, stays as it was):
+    state the caller changes between forward and backward, tensors tied
+    across distinct experts and changed in forward, the caller's autograd
+    settings (``allow_mutation_on_saved_tensors``, its own
+    ``saved_tensors_hooks``, ``disable_saved_tensors_hooks``), a seed set
+    inside an expert, ``.data`` writes, tensor-subclass inputs."""
+    if case.function is not None:
+        return case
+    calls = list(case.calls)
+    changes: Dict[str, object] = {}
+    roots = [i for i, c in enumerate(calls) if c.share_with is None]
+    backward = case.grad_mode == "grad"
+
+    def add(i: int, stage: str) -> None:
+        """``stage`` in call ``i``'s expert (and so in every call sharing it)."""
+        share = calls[i].share_with
+        i = share if share is not None else i
+        stages = list(calls[i].stages)
+        if stage in stages:
+            return
+        stages.insert(rng.randrange(len(stages) + 1), stage)
+        for k, c in enumerate(calls):
+            if k == i or c.share_with == i:
+                calls[k] = dataclasses.replace(c, stages=tuple(stages))
+
+    def some_roots() -> List[int]:
+        return rng.sample(roots, rng.randint(1, len(roots)))
+
+    # 1. attributes and train/eval changed between forward(s) and backward
+    # (not inside a checkpoint frame: the loop's own frame recomputes with
+    # what the caller changed, torch.utils.checkpoint's semantics, and raises
+    # or computes other values)
+    if rng.random() < 0.035 and case.frame not in ("ckpt_nonreentrant", "ckpt_reentrant"):
+        between: List[str] = []
+        if rng.random() < 0.75:
+            for i in some_roots():
+                add(i, "task")
+            between.append("task")
+        if not between or rng.random() < 0.5:
+            between.append("eval")
+            if rng.random() < 0.6:
+                for i in some_roots():
+                    add(i, "train_dropout")
+        changes["between"] = tuple(between)
+        if backward and case.transform is None:
+            changes["forwards"] = rng.choice((1, 2, 3))
+    # 2. a tensor tied across distinct experts and changed in forward; an EMA
+    # teacher shared by them (a known limit)
+    if len(roots) >= 2 and rng.random() < 0.04:
+        stage = rng.choices(("drift_buffer", "drift_param", "drift_param_rg", "teacher"),
+                            weights=(3, 2, 2, 2))[0]
+        for i in rng.sample(roots, rng.randint(2, len(roots))):
+            add(i, stage)
+    # 3. a seed set inside an expert (fork_rng or not)
+    if rng.random() < 0.03:
+        for i in some_roots():
+            add(i, rng.choice(("seed", "fork_seed")))
+    # 4. .data writes in forward
+    if rng.random() < 0.03:
+        for i in some_roots():
+            add(i, rng.choice(("data_clamp", "data_clamp", "data_decay")))
+    # 5. the caller's autograd settings around the calls
+    ctx = rng.random()
+    if ctx < 0.025:
+        changes["caller_ctx"] = "allow_mutation"
+        for i in some_roots():
+            add(i, "mutate_saved")
+    elif ctx < 0.05:
+        changes["caller_ctx"] = "saved_hooks"
+    elif ctx < 0.065:
+        changes["caller_ctx"] = "disable_saved_hooks"
+    # 6. tensor-subclass inputs
+    if rng.random() < 0.025:
+        changes["subclass"] = True
+    if calls == list(case.calls) and not changes:
+        return case
+    calls = [dataclasses.replace(c, output="tensor") if c.output in ("dataclass", "namespace")
+             else c for c in calls]
+    return dataclasses.replace(case, calls=tuple(calls), **changes)  # type: ignore[arg-type]
+
+
 def constructs(case: Case) -> FrozenSet[str]:
     """The names of everything a case is made of (``stage:bn``,
     ``output:aux``, ``caller:autocast``, ``mode:lanes``, ``shared+stateful``...)."""
@@ -390,6 +491,22 @@ def constructs(case: Case) -> FrozenSet[str]:
         if case.interrupt[2] is not None:
             names.add("interrupt+value_error:" + (
                 "earlier" if case.interrupt[2] < case.interrupt[0] else "later"))
+    # issue 46
+    names.update(f"between:{b}" for b in case.between)
+    if case.forwards > 1:
+        names.add("forwards>1")
+    if case.caller_ctx is not None:
+        names.add(f"caller:{case.caller_ctx}")
+        if case.caller_ctx == "saved_hooks" and any("input_inplace" in c.stages
+                                                    for c in case.calls):
+            # (the runtime packs a call's saves once it returned: one changed
+            # in place later in the call raises, naming the call)
+            names.add("caller:saved_hooks+stage:input_inplace")
+    if case.subclass:
+        names.add("subclass")
+    tied = [s for s in TIED_STAGES
+            if len({_root(case, i) for i, c in enumerate(case.calls) if s in c.stages}) >= 2]
+    names.update(f"tied:{s}" for s in tied)
     if case.grad_mode == "grad" and any(flags):
         if "post:in_add_" in names:
             names.add("checkpoint+post:in_add_")
@@ -401,6 +518,11 @@ def constructs(case: Case) -> FrozenSet[str]:
         if any(flags[i] and "requires_grad_" in c.stages and c.x_kind == "leaf"
                for i, c in enumerate(case.calls)):
             names.add("checkpoint+stage:requires_grad_")
+        # issue 46: a checkpointed expert whose forward changes a parameter
+        # (its own, or one it shares with other experts) in place
+        names.update(f"checkpoint+stage:{s}"
+                     for s in ("drift_param", "drift_param_rg", "teacher", "data_decay")
+                     if any(flags[i] and s in c.stages for i, c in enumerate(case.calls)))
     roots = [_input_root(case, i) for i in range(case.n)]
     if any("requires_grad_" in c.stages and c.x_kind == "leaf"
            # a checkpointed call raises first (unless its forward runs without
@@ -409,6 +531,12 @@ def constructs(case: Case) -> FrozenSet[str]:
            and roots[i] in roots[i + 1:] for i, c in enumerate(case.calls)):
         names.add("requires_grad_+later_same_input")
     return frozenset(names)
+
+
+def _root(case: Case, i: int) -> int:
+    """The call whose module object call ``i`` uses."""
+    share = case.calls[i].share_with
+    return i if share is None else share
 
 
 def _input_root(case: Case, i: int) -> int:

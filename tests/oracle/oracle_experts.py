@@ -419,6 +419,144 @@ class RaiseAny(Stage):
         return h
 
 
+# -- issue 46's constructs (drawn by oracle_cases._issue46) ---------------------------
+
+class Task(Stage):
+    """A plain attribute the forward reads and never sets (``self.task``):
+    the harness sets it before each forward of an iteration and changes it
+    again between the forwards and the backward; a checkpointed call must
+    recompute with the value its forward saw (issue 46, class 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.task = 0
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return self.fc(h) * (1 + 0.25 * self.task)
+
+
+class TrainDropout(Stage):
+    """An ``nn.Dropout`` (it follows ``training``): the harness's ``eval()``
+    between forward and backward must not reach a checkpointed call's
+    recomputation (issue 46, class 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        return self.drop(h)
+
+
+class Drift(Stage):
+    """A tensor (``kind``: a buffer, a Parameter that does not require grad,
+    one that does) the harness ties across the distinct experts that have
+    this stage, changed in place in forward and read after the change
+    (``1 + shared`` saves nothing of it): calls must see it as the loop's
+    calls do, in call order (issue 46, class 2)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        t = torch.linspace(0.1, 0.4, WIDTH)
+        self.shared: Tensor
+        if kind == "buffer":
+            self.register_buffer("shared", t)
+        else:
+            self.shared = nn.Parameter(t, requires_grad=kind == "param_rg")
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        with torch.no_grad():
+            self.shared.mul_(0.5).add_(h.detach().float().mean().to(self.shared.dtype) * 0.125)
+        return h * (1 + self.shared)
+
+
+class Teacher(Stage):
+    """An EMA teacher: a frozen ``nn.Linear`` the harness ties across the
+    distinct experts that have this stage, read (detached) and then updated
+    in place from the stage's own Linear in forward. A torch.nn module that
+    only computes orders nothing: a known limit (README's semantics table,
+    strict xfail in tests/test_module_state.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+        self.teacher = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        out = self.fc(h) + self.teacher(h).detach()
+        with torch.no_grad():
+            for t, s in zip(self.teacher.parameters(), self.fc.parameters()):
+                t.mul_(0.75).add_(s.to(t.dtype), alpha=0.25)
+        return out
+
+
+class MutateSaved(Stage):
+    """Changes in place an intermediate its own graph saved (``sin`` saves
+    ``t``): the loop computes only under the caller's
+    ``allow_mutation_on_saved_tensors()`` (drawn with it; issue 46, class 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        t = self.fc(h)
+        y = t.sin()
+        t.mul_(2)
+        return y + t
+
+
+class Seeded(Stage):
+    """``torch.manual_seed`` inside the expert (``fork``: inside
+    ``torch.random.fork_rng()``), a draw after it, and a dropout after that:
+    it acts on the call's stream only (issue 46, class 4)."""
+
+    SEED = 4646
+
+    def __init__(self, fork: bool) -> None:
+        super().__init__()
+        self.fork = fork
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.fork:
+            with torch.random.fork_rng():
+                torch.manual_seed(self.SEED)
+                mask = torch.rand(h.shape) > 0.5
+        else:
+            torch.manual_seed(self.SEED)
+            mask = torch.rand(h.shape) > 0.5
+        return F.dropout(h, 0.25, training=True) * mask
+
+
+class DataWrite(Stage):
+    """A ``.data`` write to its Linear's weight in forward, before its use
+    (issue 46, class 5): ``clamp`` (a max-norm constraint: doing it again
+    changes nothing) or ``decay`` (``mul_(0.75)``: doing it again does)."""
+
+    def __init__(self, op: str) -> None:
+        super().__init__()
+        self.op = op
+        self.fc = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, h: Tensor, ctx: StageContext) -> Tensor:
+        if self.op == "clamp":
+            self.fc.weight.data.clamp_(-0.3, 0.3)
+        else:
+            self.fc.weight.data.mul_(0.75)
+        return torch.tanh(self.fc(h))
+
+
+class Tagged(Tensor):
+    """A ``__torch_function__`` subclass that only tags its results: the
+    inputs of the ``subclass`` construct (issue 46)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def _compiled_eager(h: Tensor, w: Tensor) -> Tensor:
     return torch.tanh(h @ w) * 2 + h
 
@@ -537,13 +675,31 @@ STAGES: Dict[str, Callable[[], Stage]] = {
     "compiled_eager": lambda: Compiled("eager"),
     "compiled_aot_eager": lambda: Compiled("aot_eager"),
     "compiled_inductor": lambda: Compiled("inductor"),
+    # issue 46's constructs (drawn by oracle_cases._issue46)
+    "task": Task,
+    "train_dropout": TrainDropout,
+    "drift_buffer": lambda: Drift("buffer"),
+    "drift_param": lambda: Drift("param"),
+    "drift_param_rg": lambda: Drift("param_rg"),
+    "teacher": Teacher,
+    "mutate_saved": MutateSaved,
+    "seed": lambda: Seeded(False),
+    "fork_seed": lambda: Seeded(True),
+    "data_clamp": lambda: DataWrite("clamp"),
+    "data_decay": lambda: DataWrite("decay"),
 }
 
+#: The stages whose tensor (``drift_*``) or module (``teacher``) the harness
+#: ties across the distinct experts that have them.
+TIED_STAGES = ("drift_buffer", "drift_param", "drift_param_rg", "teacher")
+
 #: Stages that draw random numbers.
-RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli", "ckpt_nonreentrant"})
+RANDOM_STAGES = frozenset({"dropout", "randn_like", "bernoulli", "ckpt_nonreentrant",
+                           "train_dropout", "seed", "fork_seed"})
 #: Stages with buffers or tensor attributes updated in forward.
 STATEFUL_STAGES = frozenset({"bn", "counter", "spectral_norm", "keep", "keep_plain", "threads",
-                             "mark", "step"})
+                             "mark", "step", "drift_buffer", "drift_param", "drift_param_rg",
+                             "teacher", "data_clamp", "data_decay"})
 #: Stages a case may share between distinct experts (one module object).
 SHARED_STAGES = ("bn", "counter", "step")
 

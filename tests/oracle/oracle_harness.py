@@ -40,10 +40,10 @@ from moe_autograd import map_with_parallel_backward, parallel_apply
 from moe_autograd.rng import CallRng
 
 from oracle_cases import Case
-from oracle_experts import (GRAPH_KEPT, INTERRUPTS, ROWS, STAGES, VOCAB, WIDTH, Expert,
+from oracle_experts import (GRAPH_KEPT, INTERRUPTS, ROWS, STAGES, VOCAB, WIDTH, Drift, Expert,
                             InnerCheckpoint, InputInPlace, Interrupt, Keep, Mark, Nested,
-                            RaiseAny, RaiseBackward, RaiseForward, Threads, structure,
-                            tensor_leaves)
+                            RaiseAny, RaiseBackward, RaiseForward, Tagged, Task, Teacher,
+                            Threads, structure, tensor_leaves)
 from oracle_functions import FUNCTIONS
 
 RUNTIME, LOOP = "runtime", "loop"
@@ -184,6 +184,9 @@ class World:
     optimizer: Optional[torch.optim.Optimizer] = None
     #: What the map cases' Functions record (needs_input_grad, None gradients).
     fn_log: List[Tuple[Any, ...]] = dataclasses.field(default_factory=list)
+    #: The outputs' types per iteration (the ``subclass`` construct), logged
+    #: last so that a known type difference hides no other divergence.
+    types: List[List[str]] = dataclasses.field(default_factory=list)
 
 
 def reference_runner(draws: bool) -> Runner:
@@ -254,6 +257,7 @@ def build(case: Case, side: str) -> World:
                 expert.stages.append(shared)
             else:
                 expert.stages.insert(position, shared)
+    _tie(unique)
     if case.tied:
         first: Any = unique[0]
         for other in unique[1:]:
@@ -271,8 +275,16 @@ def build(case: Case, side: str) -> World:
                 # saved a cast of it), so the loop raises there, as the
                 # runtime: an expert's requires_grad_() (its recomputation
                 # saves other tensors), an in-place op on an input.
+                # Nor under the caller's lossy pack hooks (the block's frame
+                # keeps its saves from them; the plain block's are packed) or
+                # disable_saved_tensors_hooks (the frame's hooks raise, the
+                # plain block registers none), nor where the caller calls
+                # eval() before backward (the frame recomputes in eval mode:
+                # torch.utils.checkpoint's semantics, in the loop too).
                 stage.transparent = (
                     side != RUNTIME and not stage.reentrant and "in_add_" not in case.post_ops
+                    and case.caller_ctx not in ("saved_hooks", "disable_saved_hooks")
+                    and "eval" not in case.between
                     and not any({"requires_grad_", "input_inplace"} & set(other.stages)
                                 for other in case.calls))
             if isinstance(stage, Threads):
@@ -287,6 +299,8 @@ def build(case: Case, side: str) -> World:
     xs: List[Tensor] = []
     for i, spec in enumerate(case.calls):
         base = torch.randn(ROWS, WIDTH, generator=g).to(dtype)
+        if case.subclass:
+            base = base.as_subclass(Tagged)
         if spec.same_input_as is not None:
             x = xs[spec.same_input_as]
         elif spec.x_kind == "leaf_rg":
@@ -324,6 +338,25 @@ def build(case: Case, side: str) -> World:
     return world
 
 
+def _tie(unique: nn.ModuleList) -> None:
+    """One tensor for all the ``drift_*`` stages of a kind, one teacher
+    Linear for all the ``teacher`` stages, across the distinct experts (the
+    first expert's; issue 46)."""
+    drifts: Dict[str, Drift] = {}
+    teacher: Optional[Teacher] = None
+    for expert in unique:
+        for stage in expert.stages:  # type: ignore[union-attr]
+            if isinstance(stage, Drift):
+                first = drifts.setdefault(stage.kind, stage)
+                if first is not stage:
+                    stage.shared = first.shared  # (a buffer, or a Parameter, as first's)
+            elif isinstance(stage, Teacher):
+                if teacher is None:
+                    teacher = stage
+                else:
+                    stage.teacher = teacher.teacher
+
+
 # -- observing --------------------------------------------------------------------------
 
 def module_state(world: World) -> Dict[str, Any]:
@@ -341,7 +374,7 @@ def module_state(world: World) -> Dict[str, Any]:
                 state[f"{name}.{attr}"] = fp(value)
             elif attr in ("aux", "last") and value is None:
                 state[f"{name}.{attr}"] = None
-            elif attr in ("calls_seen", "step"):
+            elif attr in ("calls_seen", "step", "task"):
                 state[f"{name}.{attr}"] = value
             elif attr in ("seen", "threads_seen"):
                 state[f"{name}.{attr}"] = sorted(map(repr, value))
@@ -519,13 +552,16 @@ def _register_hooks(world: World, log: Log) -> None:
             t = a[0]
             if t.requires_grad:
                 t.register_hook(lambda g, n=f"in{i}": log.hook(n, fp(g)))
+    # (frozen parameters: a teacher's, a drift_param stage's, take no hook)
     if "param" in case.hooks:
         for name, p in world.unique.named_parameters():
-            p.register_hook(lambda g, n=name: log.hook(f"p:{n}", fp(g)))
+            if p.requires_grad:
+                p.register_hook(lambda g, n=name: log.hook(f"p:{n}", fp(g)))
     if "post_acc" in case.hooks:
         for name, p in world.unique.named_parameters():
-            p.register_post_accumulate_grad_hook(
-                lambda q, n=name: log.hook(f"post:{n}", fp(q.grad)))
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(
+                    lambda q, n=name: log.hook(f"post:{n}", fp(q.grad)))
 
 
 def _save(world: World) -> Tuple[Any, ...]:
@@ -585,12 +621,40 @@ def _arm(world: World, armed: bool) -> None:
             m.armed = armed
 
 
+def _set_task(world: World, value: int) -> None:
+    for m in world.unique.modules():
+        if isinstance(m, Task):
+            m.task = value
+
+
+def _forwards(world: World, case: Case) -> Tuple[List[Any], Optional[Tensor]]:
+    """``case.forwards`` batches (the ``task`` stages' attribute is the
+    forward's number in each): their results one after another, and the
+    first's caller-side autocast use."""
+    results: List[Any] = []
+    first: Optional[Tensor] = None
+    for k in range(case.forwards):
+        _set_task(world, k)
+        found, pre = _forward(world, case)
+        results.extend(found)
+        if k == 0:
+            first = pre
+    return results, first
+
+
+#: The value the caller gives the ``task`` stages' attribute between the
+#: forwards and the backward (none of the forwards saw it).
+BETWEEN_TASK = 7
+
+
 def _iteration(world: World, log: Log, it: int) -> None:
     case = world.case
     tag = f"it{it}"
+    if "eval" in case.between:
+        world.unique.train()  # the previous iteration's backward ran after eval()
     before = versions(world, [])
     with _grad_context(case):
-        results, pre = _step(log, f"{tag}.forward", lambda: _forward(world, case))
+        results, pre = _step(log, f"{tag}.forward", lambda: _forwards(world, case))
     log.add(f"{tag}.structure", [structure(r) for r in results])
     log.add(f"{tag}.inputs", [[fp(t) for t in a if isinstance(t, Tensor)] for a in world.args])
     log.add(f"{tag}.fn_log", sorted(map(repr, world.fn_log)))
@@ -601,6 +665,8 @@ def _iteration(world: World, log: Log, it: int) -> None:
     log.add(f"{tag}.state", module_state(world))
     log.add(f"{tag}.rng", fp(torch.get_rng_state()))
     outputs = [t for r in results for t in tensor_leaves(r)]
+    if case.subclass:
+        world.types.append([type(t).__name__ for t in outputs])
     if "out" in case.hooks:
         for k, t in enumerate(outputs):
             if t.requires_grad:
@@ -616,6 +682,11 @@ def _iteration(world: World, log: Log, it: int) -> None:
                   fatal=False)
         log.add(f"{tag}.post.outputs", [[fp(t) for t in tensor_leaves(r)] for r in results])
         log.add(f"{tag}.post.versions", _delta(versions(world, results), after_forward))
+    # what the caller changes between the forwards and the backward (issue 46)
+    if "task" in case.between:
+        _set_task(world, BETWEEN_TASK)
+    if "eval" in case.between:
+        world.unique.eval()
     if not case.backward:
         return
     if case.transform is not None:
@@ -730,6 +801,35 @@ def _caller_settings(case: Case) -> Any:
             torch.set_num_threads(saved_threads)
 
 
+def _pack_lossy(t: Tensor) -> Any:
+    """The caller's lossy pack hook (``saved_hooks``): a bf16 round trip of
+    floating tensors."""
+    if t.is_floating_point() and t.layout == torch.strided:
+        return (t.dtype, t.detach().to(torch.bfloat16))
+    return (None, t)
+
+
+def _unpack_lossy(packed: Any) -> Tensor:
+    dtype, t = packed
+    return t if dtype is None else t.to(dtype)
+
+
+#: ``disable_saved_tensors_hooks``'s message (``disable_saved_hooks``).
+DISABLED = "oracle: the caller disabled saved-tensor hooks"
+
+
+def _caller_autograd(case: Case) -> contextlib.AbstractContextManager:
+    """The caller's autograd setting around every iteration (issue 46)."""
+    graph = torch.autograd.graph
+    if case.caller_ctx == "allow_mutation":
+        return graph.allow_mutation_on_saved_tensors()
+    if case.caller_ctx == "saved_hooks":
+        return graph.saved_tensors_hooks(_pack_lossy, _unpack_lossy)
+    if case.caller_ctx == "disable_saved_hooks":
+        return graph.disable_saved_tensors_hooks(DISABLED)
+    return contextlib.nullcontext()
+
+
 def execute(case: Case, side: str) -> Log:
     """Runs ``case`` on ``side`` and returns what it observed."""
     with _caller_settings(case):
@@ -743,14 +843,15 @@ def _execute(case: Case, side: str) -> Log:
     log.add("start.state", module_state(world))
     _register_hooks(world, log)
     try:
-        for it in range(case.iterations):
-            if it and world.optimizer is not None:
-                world.optimizer.zero_grad()
-            if case.raise_at is not None and it == 0:
-                _failing_iteration(world, log)
-            if case.interrupt is not None and it == 0:
-                _interrupted_iteration(world, log)
-            _iteration(world, log, it)
+        with _caller_autograd(case):
+            for it in range(case.iterations):
+                if it and world.optimizer is not None:
+                    world.optimizer.zero_grad()
+                if case.raise_at is not None and it == 0:
+                    _failing_iteration(world, log)
+                if case.interrupt is not None and it == 0:
+                    _interrupted_iteration(world, log)
+                _iteration(world, log, it)
     except _Stop:
         # Which hooks fired before a step that raised on both sides depends
         # on the order the engine ran the nodes in: not compared.
@@ -758,6 +859,8 @@ def _execute(case: Case, side: str) -> Log:
     else:
         log.add("hooks", {k: v for k, v in sorted(log.hooks.items())})
     log.add("end.rng", fp(torch.get_rng_state()))
+    if case.subclass:
+        log.add("end.types", world.types)
     return log
 
 

@@ -23,10 +23,16 @@ import dataclasses
 from typing import Callable, FrozenSet, List, Optional, Tuple
 
 from oracle_cases import Case, constructs
-from oracle_harness import Divergence
+from oracle_harness import Divergence, Raised
 
 #: Constructs for which "a clear error naming the call" is the contract.
 RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
+    # The caller's saved_tensors_hooks and an expert that changes in place a
+    # tensor it saved (its input, after a Linear saved it): the runtime packs
+    # a call's saves once it returned, so it raises "a tensor it saved for
+    # backward was modified in place later in the call" (was D46j: a copying
+    # pack copied the changed values, silently).
+    "caller:saved_hooks+stage:input_inplace",
     # Tensors inside objects that are not pytrees: the runtime refuses them
     # ("the expert returned a SimpleNamespace holding tensors ...").
     "output:dataclass",
@@ -52,6 +58,20 @@ RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
     # "the expert called requires_grad_() on an input that call j of n also
     # receives ..." (was D7a).
     "requires_grad_+later_same_input",
+    # A checkpointed expert whose forward changes a parameter in place (a
+    # Parameter that does not require grad, a frozen EMA teacher's weights,
+    # one that does), its own or one tied to other experts: "the checkpointed
+    # expert modified one of its parameters in place in its forward ...", or
+    # "a parameter ... of the checkpointed call was modified in place after
+    # the call" (README's semantics table: a max-norm constraint; issue 46).
+    "checkpoint+stage:drift_param",
+    "checkpoint+stage:drift_param_rg",
+    "checkpoint+stage:teacher",
+    # A checkpointed expert that changes its weight through .data in forward
+    # in a way its recomputation would repeat (a decay, not a clamp): "the
+    # checkpointed expert changed its parameters in its forward where
+    # autograd does not see it (through .data ...)" (issue 46, class 5).
+    "checkpoint+stage:data_decay",
     # torch.autograd.functional.jvp / hvp over a batch: they differentiate the
     # batch's gradients (double backward), which the node refuses: "parallel_apply:
     # trying to differentiate twice ..." (names the batch; issue 30 item 4).
@@ -80,10 +100,22 @@ class Known:
     #: Shows in some runs only (it depends on the process's history): a run
     #: where no case shows it is not taken as its end.
     sometimes: bool = False
+    #: Where set, the runtime's side must be an error whose text (message,
+    #: notes, causes) contains it.
+    runtime_text: Optional[str] = None
+    #: The same for the loop's side.
+    loop_text: Optional[str] = None
 
     def matches(self, case: Case, divergence: Divergence) -> bool:
         step = divergence.key.split(".", 1)[1] if divergence.key.startswith("it") \
             else divergence.key
+        if self.runtime_text is not None and not (
+                isinstance(divergence.runtime, Raised)
+                and self.runtime_text in divergence.runtime.text):
+            return False
+        if self.loop_text is not None and not (
+                isinstance(divergence.loop, Raised) and self.loop_text in divergence.loop.text):
+            return False
         return self.applies(case) and divergence.kind in self.kinds and step in self.steps
 
 
@@ -134,6 +166,16 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: c.grad_method == "autograd_grad" and c.keep_named is not None
           and not c.keep_in_loss, ("autograd_grad.values",),
           witnesses=((0, 960), (1795791825, 154), (1795791825, 546))),
+    Known("D5c2-autograd-grad-of-unused-kept-tensor-before-a-reentrant-checkpoint",
+          "D5c where the loop's path from the loss to the kept tensor runs through a "
+          "use_reentrant=True torch.utils.checkpoint inside the expert: the loop's "
+          "autograd.grad raises torch's 'incompatible with .grad()'; the node's output is "
+          "reached by no pass, so the runtime gives None without running that checkpoint",
+          lambda c: c.grad_method == "autograd_grad" and c.keep_named is not None
+          and not c.keep_in_loss and any("ckpt_reentrant" in s.stages for s in c.calls),
+          ("autograd_grad",), ("missing_error",),
+          loop_text="When use_reentrant=True, torch.utils.checkpoint is incompatible",
+          witnesses=((1796680548, 2358),)),
     Known("D7g-view-of-input-before-a-later-flip",
           "a call returns a view of its input and a later call calls requires_grad_() on "
           "that input: the loop's view was made before the flip (a leaf view, no grad_fn); "
@@ -197,6 +239,13 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: "hook:post_acc" in constructs(c) and "stage:keep" in constructs(c)
           and not c.keep_in_loss, ("hooks",), ("value",),
           witnesses=((1795791825, 1462), (1795791825, 3177))),
+    Known("D9d-tensor-hook-of-an-unreached-parameter-fires-with-none",
+          "found by the oracle (seed 1796693227), not fixed (reported): as D9c, for a "
+          "tensor hook (register_hook) of such a parameter: the runtime calls it with None "
+          "(a hook that computes with its gradient raises), the loop never calls it",
+          lambda c: "hook:param" in constructs(c) and "stage:keep" in constructs(c)
+          and not c.keep_in_loss, ("hooks",), ("value",),
+          witnesses=((1796693227, 376),)),
     Known("D10-inline-backward-error-unnamed",
           "mode=inline (or auto where the policy runs the batch inline): an expert's error "
           "in backward does not name the call",
@@ -250,11 +299,39 @@ KNOWN_DIVERGENCES: List[Known] = [
           lambda c: c.frame == "ckpt_nonreentrant" and c.grad_mode == "grad" and (any(
               st in s.stages or s.output == "aux" for s in c.calls
               for st in ("spectral_norm", "bn", "counter", "introspect", "keep", "keep_plain",
-                         "threads", "mark", "step")) or c.shared_stage is not None),
+                         "threads", "mark", "step",
+                         # issue 46's stages that change a tensor in forward
+                         "drift_buffer", "drift_param", "drift_param_rg", "teacher",
+                         "data_decay")) or c.shared_stage is not None),
           ("grads", "autograd_grad.values", "grads2", "after_step", "state", "outputs",
            "kept_grads", "backward"), ("value", "unexpected_error"),
           witnesses=((1, 313), (1, 2457), (7, 541), (1795467467, 4032), (1795467467, 17148),
-                     (1795671127, 799), (1795671127, 7014), (1795791825, 2653))),
+                     (1795671127, 799), (1795671127, 7014), (1795791825, 2653),
+                     (1796693443, 1563))),
+]
+
+
+#: Issue 46's known limits (README's semantics table, each with a strict
+#: xfail in tests/), drawn by ``oracle_cases._issue46``.
+KNOWN_DIVERGENCES += [
+    Known("D46i-fallback-backward-error-unnamed",
+          "under allow_mutation_on_saved_tensors() or disable_saved_tensors_hooks(), or "
+          "with a tensor subclass argument, the calls run as the loop, on the caller: an "
+          "expert's error in backward does not name the call (as D10's inline mode)",
+          lambda c: (c.caller_ctx in ("allow_mutation", "disable_saved_hooks") or c.subclass)
+          and "raise:backward" in constructs(c), ("fail.names_call",),
+          witnesses=((1796693227, 2102),)),
+    Known("D46c-shared-torch-nn-teacher-updated-in-forward",
+          "an EMA teacher nn.Linear shared by distinct experts and updated in place in "
+          "forward: a torch.nn module that only computes orders nothing, so in lanes/parallel "
+          "its update races with the other calls' reads (README's semantics table, strict "
+          "xfail in tests/test_module_state.py)",
+          lambda c: "tied:teacher" in constructs(c) and c.mode in ("lanes", "parallel", "auto"),
+          ("outputs", "state", "loss.value", "grads", "autograd_grad.values", "grads2",
+           "after_step", "transform.values", "post.outputs", "kept_grads", "retained",
+           "hooks"),
+          sometimes=True,
+          witnesses=((0, 132), (1796691663, 3002))),
 ]
 
 

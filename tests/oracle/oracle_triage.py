@@ -83,7 +83,9 @@ def simplifications(case: Case) -> Iterator[Case]:
     plain = dict(grad_mode="grad", frame="none", pre_autocast_use=False, tied=False,
                  retain_grad=False, grad_method="backward", second_backward=False,
                  optimizer="none", iterations=1, raise_at=None, dtype="float32",
-                 checkpoint=False, post_ops=(), hooks=())
+                 checkpoint=False, post_ops=(), hooks=(),
+                 # issue 46
+                 between=(), forwards=1, caller_ctx=None, subclass=False)
     for key, value in plain.items():
         if getattr(case, key) != value:
             yield dataclasses.replace(case, **{key: value})  # type: ignore[arg-type]
