@@ -13,26 +13,14 @@ join timed out). ``server_a`` notices, leaves cleanly and starts again;
 each happened and whether both replicas' weights equal a local run's.
 """
 import json
-import os
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Any, Dict, List
 
-from peer_recovery import HERE, _same, batch, reference, stop_all
-
-
-def _server(name: str, port: int, seed: int, state_dir: str) -> "subprocess.Popen[str]":
-    env = dict(os.environ, PEER_SEED=str(seed),
-               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(
-        [sys.executable, "-m", "moe_autograd", "serve", "--join", "--experts",
-         "peer_recovery:experts", "--optimizer", "peer_recovery:adam", "--name", name,
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--transports", "uv",
-         "--state-dir", state_dir], env=env, stderr=subprocess.PIPE, text=True)
+from peer_recovery import _same, batch, reference, serve, stop_all
 
 
 def _collect(process: "subprocess.Popen[str]", lines: List[str]) -> threading.Thread:
@@ -66,7 +54,7 @@ def main() -> None:
     result: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as state_a, tempfile.TemporaryDirectory() as state_b:
         try:
-            servers["server_a"] = _server("server_a", port, 0, state_a)
+            servers["server_a"] = serve("server_a", port, 0, "--state-dir", state_a)
             _collect(servers["server_a"], logs["server_a"])
             fleet.wait_for(["dur"], timeout=90)
             expert = fleet.expert("dur", forward_timeout=30, backward_timeout=30)
@@ -87,7 +75,7 @@ def main() -> None:
             result["a_back"] = _wait(lambda: any("joined as" in line for line in
                                                  logs["server_a"][-20:]) and
                                      "server_a" in fleet.replicas("dur"), 90, fleet)
-            servers["server_b"] = _server("server_b", port, 7, state_b)
+            servers["server_b"] = serve("server_b", port, 7, "--state-dir", state_b)
             _collect(servers["server_b"], logs["server_b"])
             started = time.monotonic()
             result["b_joined"] = _wait(lambda: "server_b" in fleet.replicas("dur"), 90, fleet)

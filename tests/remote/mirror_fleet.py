@@ -27,7 +27,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from peer_recovery import _same, batch, stop_all, trained
+from peer_recovery import _same, batch, serve, stop_all, trained
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, KILL_AT, JOIN_AT = 100, 40, 45
@@ -36,17 +36,6 @@ STEPS, KILL_AT, JOIN_AT = 100, 40, 45
 def reference(steps: int) -> Dict[str, Any]:
     module, optimizer = trained(range(steps))
     return {"module": module.state_dict(), "optimizer": optimizer.state_dict()["state"]}
-
-
-def _server(name: str, port: int, seed: int, *extra: str) -> "subprocess.Popen[str]":
-    env = dict(os.environ, PEER_SEED=str(seed),
-               PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen(
-        [sys.executable, "-m", "moe_autograd", "serve", "--join", "--experts",
-         "peer_recovery:experts", "--optimizer", "peer_recovery:adam", "--name", name,
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--transports", "uv",
-         *extra],
-        env=env, stderr=subprocess.DEVNULL, text=True)
 
 
 def _optimizer_equal(a: Dict[Any, Any], b: Dict[Any, Any]) -> bool:
@@ -79,10 +68,10 @@ def main() -> None:
     servers: Dict[str, "subprocess.Popen[str]"] = {}
     result: Dict[str, Any] = {}
     try:
-        servers["server_a"] = _server("server_a", port, seed=0)
+        servers["server_a"] = serve("server_a", port, seed=0, stderr=subprocess.DEVNULL)
         fleet.wait_for(["dur"], timeout=90)
         for name, seed in (("server_b", 7), ("server_c", 8)):
-            servers[name] = _server(name, port, seed=seed)
+            servers[name] = serve(name, port, seed=seed, stderr=subprocess.DEVNULL)
             _wait_replicas(fleet, [name])
         expert = fleet.expert("dur", forward_timeout=60, backward_timeout=60,
                               balance="latency")
@@ -94,7 +83,8 @@ def main() -> None:
                 threading.Timer(rng.uniform(0.0, 0.02),
                                 lambda: servers[victim].send_signal(signal.SIGKILL)).start()
             if step == JOIN_AT:  # joins (takes a live state) while the training goes on
-                servers["server_d"] = _server("server_d", port, 9, "--no-recover")
+                servers["server_d"] = serve("server_d", port, 9, "--no-recover",
+                                            stderr=subprocess.DEVNULL)
             expert(batch(step)).square().mean().backward()
             if expert.last_worker is not None:
                 served[expert.last_worker] = served.get(expert.last_worker, 0) + 1

@@ -70,14 +70,17 @@ def _same(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _server(name: str, port: int, seed: int) -> "subprocess.Popen[str]":
+def serve(name: str, port: int, seed: int, *extra: str,
+          stderr: Any = subprocess.PIPE) -> "subprocess.Popen[str]":
+    """A ``serve --join`` process of ``dur`` (seeded ``seed``, Adam) in the
+    world at ``port``, with ``extra`` arguments."""
     env = dict(os.environ, PEER_SEED=str(seed),
                PYTHONPATH=os.pathsep.join([HERE, os.environ.get("PYTHONPATH", "")]))
     return subprocess.Popen(
         [sys.executable, "-m", "moe_autograd", "serve", "--join", "--experts",
          "peer_recovery:experts", "--optimizer", "peer_recovery:adam", "--name", name,
-         "--master-addr", "127.0.0.1", "--master-port", str(port), "--transports", "uv"],
-        env=env, stderr=subprocess.PIPE, text=True)
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "--transports", "uv",
+         *extra], env=env, stderr=stderr, text=True)
 
 
 def main() -> None:
@@ -89,13 +92,13 @@ def main() -> None:
     servers = {}
     result: Dict[str, Any] = {}
     try:
-        servers["server_a"] = _server("server_a", port, seed=0)
+        servers["server_a"] = serve("server_a", port, 0)
         fleet.wait_for(["dur"], timeout=90)
         expert = fleet.expert("dur", forward_timeout=30, backward_timeout=30)
         for step in range(5):
             expert(batch(step)).square().mean().backward()
         a = RemoteExpert("server_a", "dur", transport=RpcTransport(), forward_timeout=30)
-        servers["server_b"] = _server("server_b", port, seed=7)
+        servers["server_b"] = serve("server_b", port, 7)
         deadline = time.monotonic() + 90
         while "server_b" not in fleet.replicas("dur") and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -16,14 +16,15 @@ run's at that step, and the steps after 3 more.
 import json
 import random
 import signal
+import subprocess
 import sys
 import threading
 from typing import Any, Dict
 
 import torch
 
-from mirror_fleet import _server, _wait_replicas
-from peer_recovery import _same, batch, stop_all, trained
+from mirror_fleet import _wait_replicas
+from peer_recovery import _same, batch, serve, stop_all, trained
 
 SAVE_EVERY = 3
 
@@ -45,7 +46,7 @@ def main() -> None:
     result: Dict[str, Any] = {}
     options = ("--state-dir", state_dir, "--save-every", str(SAVE_EVERY))
     try:
-        servers["server_a"] = _server("server_a", port, 0, *options)
+        servers["server_a"] = serve("server_a", port, 0, *options, stderr=subprocess.DEVNULL)
         fleet.wait_for(["dur"], timeout=90)
         expert = fleet.expert("dur", forward_timeout=60, backward_timeout=60)
         for step in range(7):
@@ -57,7 +58,7 @@ def main() -> None:
         except RemoteExpertError:
             pass
         servers["server_a"].wait(30)
-        servers["server_b"] = _server("server_b", port, 5, *options)
+        servers["server_b"] = serve("server_b", port, 5, *options, stderr=subprocess.DEVNULL)
         _wait_replicas(fleet, ["server_b"])
         resumed = RemoteExpert("server_b", "dur", transport=RpcTransport(),
                                forward_timeout=30).remote_snapshot()
