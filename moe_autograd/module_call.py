@@ -74,7 +74,7 @@ from .rng import CallRng
 from .skip.tracker import SkipTracker, use_skip_tracker
 from .stream import use_device
 from .terms import ACCUMULATE_GRAD, Edges, TermSplit
-from .saved import CallSaves
+from .saved import CallSaves, user_hooks
 from .tls import CallerState, bind
 
 __all__ = ["ModuleCall", "Expert", "call_inline", "check_flips", "ForeignGraphError"]
@@ -268,18 +268,6 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
     return result
 
 
-def _user_hooks(hooks: Optional[Tuple[Any, Any]]) -> bool:
-    """Whether a checkpointed call's recomputation replays the caller's
-    saved-tensor ``hooks``: the user's own (a lossy pack, ``save_on_cpu``),
-    not a ``torch.utils.checkpoint`` frame's (its pack belongs to its own
-    forward: the frame recomputes this call's forward anyway, and this
-    call's recomputation is not part of it) nor this runtime's."""
-    if hooks is None:
-        return False
-    module = getattr(hooks[0], "__module__", None) or ""
-    return module != "torch.utils.checkpoint" and not module.startswith("moe_autograd")
-
-
 def _checksums(params: Sequence[Tensor]) -> Tensor:
     """One int64 per parameter: the sum of its elements' bit patterns (any
     write that changes a value changes it, but for writes that only permute
@@ -387,7 +375,7 @@ class ModuleCall(IsolatedCall):
         #: A checkpointed call's: what its recomputation saves, for the
         #: caller's saved-tensor hooks (see :meth:`recompute_for_hooks`).
         self.recompute_saves = (state.saves() if self.checkpoint and state is not None
-                                and _user_hooks(state.saved_tensor_hooks) else None)
+                                and user_hooks(state.saved_tensor_hooks) else None)
         self._recomputed_for_hooks = False
         self._lock = threading.Lock()
         self._made: Optional[Tuple[int, int]] = None  # sequence numbers of the nodes it made

@@ -42,7 +42,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 from torch import Tensor
 
-__all__ = ["CallSaves"]
+__all__ = ["CallSaves", "user_hooks"]
 
 Hooks = Tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]
 _UNPACKED = object()
@@ -59,14 +59,27 @@ class _Saved:
         self.error: Optional[BaseException] = None
 
 
+def user_hooks(hooks: Optional[Hooks]) -> bool:
+    """Whether ``hooks`` are the user's own (a lossy pack, ``save_on_cpu``),
+    whose ``pack`` may keep the values it is given: not a
+    ``torch.utils.checkpoint`` frame's (its pack keeps a handle, and the
+    frame recomputes the values) nor this runtime's."""
+    if hooks is None:
+        return False
+    module = getattr(hooks[0], "__module__", None) or ""
+    return module != "torch.utils.checkpoint" and not module.startswith("moe_autograd")
+
+
 class CallSaves:
     """The saved tensors of one call, for the caller's ``hooks``."""
 
-    __slots__ = ("hooks", "slots")
+    __slots__ = ("hooks", "slots", "keeps_values")
 
     def __init__(self, hooks: Hooks) -> None:
         self.hooks = hooks
         self.slots: List[_Saved] = []
+        #: Whether the user's pack may keep the values it sees (see replay).
+        self.keeps_values = user_hooks(hooks)
 
     # -- the worker's hooks --------------------------------------------------
     def pack(self, tensor: Tensor) -> _Saved:
@@ -89,15 +102,16 @@ class CallSaves:
     def replay(self, name: str = "call") -> None:
         """Packs every slot with the user's hook, in the order they were
         saved. A tensor modified in place since it was saved (later in its
-        call) raises, naming ``name``: the user's pack would see it changed
-        where the loop's saw it as saved (a copying pack keeps those values),
-        and nothing here kept them."""
+        call) raises, naming ``name``, if the hooks are the user's own: their
+        pack would see it changed where the loop's saw it as saved (a copying
+        pack keeps those values), and nothing here kept them. (A checkpoint
+        frame's pack keeps a handle: the frame recomputes the values.)"""
         pack = self.hooks[0]
         for slot in self.slots:
             if slot.packed is _UNPACKED:
                 value = slot.value
                 assert value is not None
-                if value._version != slot.version:
+                if value._version != slot.version and self.keeps_values:
                     raise RuntimeError(
                         f"{name}: a tensor it saved for backward was modified in place later "
                         f"in the call (version {slot.version} -> {value._version}); the "

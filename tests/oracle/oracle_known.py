@@ -28,11 +28,12 @@ from oracle_harness import Divergence, Raised
 #: Constructs for which "a clear error naming the call" is the contract.
 RAISES_IS_CONTRACT: FrozenSet[str] = frozenset({
     # The caller's saved_tensors_hooks and an expert that changes in place a
-    # tensor it saved (its input, after a Linear saved it): the runtime packs
+    # tensor it saved (its input after a Linear saved it, an EMA teacher's
+    # weights after its forward used them): the runtime packs
     # a call's saves once it returned, so it raises "a tensor it saved for
     # backward was modified in place later in the call" (was D46j: a copying
     # pack copied the changed values, silently).
-    "caller:saved_hooks+stage:input_inplace",
+    "caller:saved_hooks+saved_then_changed",
     # Tensors inside objects that are not pytrees: the runtime refuses them
     # ("the expert returned a SimpleNamespace holding tensors ...").
     "output:dataclass",
