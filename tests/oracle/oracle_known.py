@@ -315,6 +315,30 @@ KNOWN_DIVERGENCES: List[Known] = [
 #: Issue 46's known limits (README's semantics table, each with a strict
 #: xfail in tests/), drawn by ``oracle_cases._issue46``.
 KNOWN_DIVERGENCES += [
+    Known("D46b2-caller-pack-hooks-inside-a-checkpoint-frame-bypassed",
+          "the caller's own saved_tensors_hooks (a lossy bf16 round trip) entered inside a "
+          "non-reentrant torch.utils.checkpoint frame, around checkpointed calls: the loop's "
+          "saves go through the lossy pack both in the forward and in the frame's "
+          "recomputation; the runtime's checkpointed calls replay the caller's hooks on "
+          "their own recomputation (issue 46, class 6), but not the frame's rerun of them: "
+          "their gradients are the lossless ones (README's semantics table)",
+          lambda c: c.caller_ctx == "saved_hooks" and c.frame == "ckpt_nonreentrant"
+          and _any_checkpointed(c),
+          ("grads", "autograd_grad.values", "grads2", "after_step", "transform.values",
+           "kept_grads", "retained", "hooks", "outputs", "loss.value"),
+          witnesses=((1796695381, 2602),)),
+    Known("D46k-subclass-compiled-stage-fails-in-the-loop",
+          "a __torch_function__ subclass argument reaching a torch.compile'd (aot_eager) "
+          "stage: the reference loop raises torch's TypeError 'Multiple dispatch failed for "
+          "aten.mm.default' under its per-call random stream, where the runtime's sequential "
+          "run of the same calls computes; whether it shows depends on what dynamo compiled "
+          "earlier in the process (not analysed further)",
+          lambda c: c.subclass and any(st.startswith("compiled_") for s in c.calls
+                                       for st in s.stages),
+          ("forward", "fail.outcome", "interrupt.outcome", "backward", "autograd_grad",
+           "transform"),
+          ("missing_error", "value"), loop_text="Multiple dispatch failed",
+          witnesses=((1796695381, 17),), sometimes=True),
     Known("D46i-fallback-backward-error-unnamed",
           "under allow_mutation_on_saved_tensors() or disable_saved_tensors_hooks(), or "
           "with a tensor subclass argument, the calls run as the loop, on the caller: an "
