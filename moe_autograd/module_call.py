@@ -269,24 +269,27 @@ def call_inline(module: Expert, args: Tuple[Any, ...], kwargs: Mapping[str, Any]
 
 
 def _checksums(params: Sequence[Tensor]) -> Tensor:
-    """One int64 per parameter: the sum of its elements' bit patterns (any
-    write that changes a value changes it, but for writes that only permute
-    values or cancel out). A parameter on another device than the first, or
-    of a dtype without a same-size integer, is summed through bytes."""
+    """One int64 per parameter: the sum of its bytes read as 64-bit words
+    (and of its last bytes one by one), wrapping: any write that changes a
+    value changes it, but for writes that only permute words or cancel out.
+    Read as int64 words it runs at memory speed (a float32 read as int32 and
+    summed into int64 was measured 14 times slower: not vectorised)."""
     with torch.no_grad():
         if not params:
             return torch.zeros(0, dtype=torch.int64)
         device = params[0].device
         sums = []
         for p in params:
-            bits = _BITS.get(p.element_size())
-            flat = (p.detach().view(bits) if bits is not None and not p.is_complex()
-                    and p.dtype != torch.bool else p.detach().contiguous().view(-1).view(torch.uint8))
-            sums.append(flat.sum(dtype=torch.int64).to(device))
+            raw = p.detach().reshape(-1).view(torch.uint8)
+            whole = raw.numel() // 8 * 8
+            try:
+                total = raw[:whole].view(torch.int64).sum()
+            except RuntimeError:  # (a storage offset not 8-byte aligned)
+                total = raw[:whole].clone().view(torch.int64).sum()
+            if whole < raw.numel():
+                total = total + raw[whole:].sum(dtype=torch.int64)
+            sums.append(total.to(device))
         return torch.stack(sums)
-
-
-_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _drop(t: Tensor) -> None:
