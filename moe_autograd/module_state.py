@@ -34,10 +34,16 @@ Invariants:
   attribute holding the same tensor object before and after is unchanged.
 * A recomputation swaps objects in the module's dicts; it never writes into a
   tensor the user can hold, so no version counter of theirs moves.
-* Recomputations of calls whose module state changed hold one lock: two of
-  them never swap the same module's state at once.
+* A recomputation holds the lock of every module of its state (taken in one
+  order: by id) for as long as it runs, whether it swaps their state or
+  finds it as its forward did: two recomputations of calls on one module
+  (a shared expert's calls of several batches, each with its own forward's
+  attributes) never overlap, so none reads another's replayed state or sees
+  it put back midway (found by ``make fuzz`` seed 1796696589, issue 46).
+  Recomputations of distinct modules do not wait on each other.
 """
 import threading
+import weakref
 from contextlib import contextmanager
 from operator import is_
 from typing import Any, Dict, Generator, List, Optional, Set, Tuple
@@ -47,8 +53,21 @@ from torch import Tensor, nn
 
 __all__ = ["ModuleState", "submodules", "may_change"]
 
-_REPLAY_LOCK = threading.Lock()
 _MISSING = object()
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_LOCK = threading.Lock()
+
+
+def _locks_of(modules: List[nn.Module]) -> List[Any]:
+    """The recomputation locks of ``modules``, in one global order (by id)."""
+    with _LOCKS_LOCK:
+        found = []
+        for m in sorted({id(m): m for m in modules}.values(), key=id):
+            lock = _LOCKS.get(m)
+            if lock is None:
+                lock = _LOCKS[m] = threading.RLock()
+            found.append(lock)
+        return found
 
 
 def _submodules(module: nn.Module, out: List[nn.Module], seen: Set[int]) -> List[nn.Module]:
@@ -141,10 +160,13 @@ class ModuleState:
     def replayed(self) -> Generator[None, None, None]:
         """The module as the forward found it, for a recomputation; as it is
         now again afterwards."""
-        if not self.changes:
-            yield
-            return
-        with _REPLAY_LOCK:
+        locks = _locks_of(self._modules)
+        for lock in locks:
+            lock.acquire()
+        try:
+            if not self.changes:
+                yield
+                return
             now = [dict(m.__dict__) for m in self._modules]
             now_buffers = [dict(m._buffers) for m in self._modules]
             try:
@@ -169,3 +191,6 @@ class ModuleState:
                     m.__dict__.update(current)
                     m._buffers.clear()
                     m._buffers.update(buffers)
+        finally:
+            for lock in reversed(locks):
+                lock.release()

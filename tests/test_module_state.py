@@ -5,13 +5,14 @@ included (issue 34: the oracle's stateful experts keep state in buffers only,
 so a mutation there survived; and an attribute the forward *created* was
 seen by the recomputation with the forward's value: fixed)."""
 import copy
+import threading
 from typing import Any, List
 
 import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_autograd import parallel_apply
+from moe_autograd import is_recomputing, parallel_apply
 from moe_autograd.moe import MixtureOfExperts
 
 MODES = ["inline", "lanes", "parallel"]
@@ -384,3 +385,52 @@ def test_a_saved_buffer_modified_after_a_checkpointed_call_raises_as_in_the_loop
                                            r"gradient computation has been modified by an "
                                            r"inplace operation: a buffer of the expert"):
         sum(o.sum() for o in outs).backward()
+
+
+class _Task(nn.Module):
+    """Scales by its plain attribute ``task``; its recomputations meet at a
+    barrier of two (``overlapped``: whether two of them ran at once)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.task = 0
+        self.lin = nn.Linear(4, 4).double()
+        self.barrier = threading.Barrier(2)
+        self.overlapped: List[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        if is_recomputing():
+            try:
+                self.barrier.wait(timeout=0.5)
+                self.overlapped.append(True)
+            except threading.BrokenBarrierError:
+                self.barrier.reset()
+                self.overlapped.append(False)
+        return self.lin(x) * (self.task + 1)
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_experts_calls_of_several_batches_recompute_one_at_a_time() -> None:
+    """(issue 46, make fuzz seed 1796696589) One module, three batches of
+    checkpointed calls with ``task`` 0, 1 and 2, ``task = 7`` before one
+    backward: each recomputation sees its own forward's ``task``, and two
+    never run at once (before, one could read another's replayed ``task``
+    or see it put back midway: gradients differed by up to 2x)."""
+    torch.manual_seed(0)
+    ours, loop = _Task(), _Task()
+    loop.load_state_dict(ours.state_dict())
+    xs = [torch.randn(2, 4, dtype=torch.float64, requires_grad=True) for _ in range(6)]
+    lxs = [x.detach().clone().requires_grad_() for x in xs]
+    outs, want = [], []
+    for k in range(3):
+        ours.task = loop.task = k
+        outs += parallel_apply([ours, ours], xs[2 * k:2 * k + 2], checkpoint=True,
+                               mode="parallel")
+        want += [loop(x) for x in lxs[2 * k:2 * k + 2]]
+    ours.task = loop.task = 7
+    sum(o.square().sum() for o in outs).backward()
+    sum(w.square().sum() for w in want).backward()
+    assert ours.overlapped == [False] * 6
+    assert all(torch.equal(x.grad, lx.grad) for x, lx in zip(xs, lxs))
+    assert torch.equal(ours.lin.weight.grad, loop.lin.weight.grad)
+    assert ours.task == 7
