@@ -35,12 +35,13 @@ Invariants:
 * A recomputation swaps objects in the module's dicts; it never writes into a
   tensor the user can hold, so no version counter of theirs moves.
 * A recomputation holds the lock of every module of its state (taken in one
-  order: by id) for as long as it runs, whether it swaps their state or
-  finds it as its forward did: two recomputations of calls on one module
-  (a shared expert's calls of several batches, each with its own forward's
-  attributes) never overlap, so none reads another's replayed state or sees
-  it put back midway (found by ``make fuzz`` seed 1796696589, issue 46).
-  Recomputations of distinct modules do not wait on each other.
+  order: by id) for as long as it runs: shared if it finds the state as its
+  forward did, exclusive if it swaps it. So a recomputation that swaps a
+  module's state (a shared expert's call of an earlier batch, whose
+  forward saw other attributes) overlaps no other of that module's, and none
+  reads another's replayed state or sees it put back midway (found by
+  ``make fuzz`` seed 1796696589, issue 46); those that swap nothing still
+  run together, and those of distinct modules never wait on each other.
 """
 import threading
 import weakref
@@ -54,18 +55,64 @@ from torch import Tensor, nn
 __all__ = ["ModuleState", "submodules", "may_change"]
 
 _MISSING = object()
-_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+class _ReplayLock:
+    """A module's lock for recomputations: shared by those that find it as
+    their forward did, exclusive for one that swaps its state (re-entrant on
+    a thread that holds it; readers are never held back by a waiting
+    writer, so a nested recomputation cannot deadlock)."""
+
+    __slots__ = ("_cond", "_readers", "_writer", "_depth")
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._readers: Dict[int, int] = {}  # thread -> how many times it reads
+        self._writer: Optional[int] = None
+        self._depth = 0
+
+    def acquire(self, exclusive: bool) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer == me:
+                self._depth += 1
+                return
+            if exclusive:
+                while self._writer is not None or any(t != me for t in self._readers):
+                    self._cond.wait()
+                self._writer, self._depth = me, 1
+            else:
+                while self._writer is not None:
+                    self._cond.wait()
+                self._readers[me] = self._readers.get(me, 0) + 1
+
+    def release(self) -> None:
+        me = threading.get_ident()
+        with self._cond:
+            if self._writer == me:
+                self._depth -= 1
+                if self._depth == 0:
+                    self._writer = None
+                    self._cond.notify_all()
+                return
+            count = self._readers[me] - 1
+            if count:
+                self._readers[me] = count
+            else:
+                del self._readers[me]
+                self._cond.notify_all()
+
+
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, _ReplayLock]" = weakref.WeakKeyDictionary()
 _LOCKS_LOCK = threading.Lock()
 
 
-def _locks_of(modules: List[nn.Module]) -> List[Any]:
+def _locks_of(modules: List[nn.Module]) -> List[_ReplayLock]:
     """The recomputation locks of ``modules``, in one global order (by id)."""
     with _LOCKS_LOCK:
         found = []
         for m in sorted({id(m): m for m in modules}.values(), key=id):
             lock = _LOCKS.get(m)
             if lock is None:
-                lock = _LOCKS[m] = threading.RLock()
+                lock = _LOCKS[m] = _ReplayLock()
             found.append(lock)
         return found
 
@@ -161,8 +208,13 @@ class ModuleState:
         """The module as the forward found it, for a recomputation; as it is
         now again afterwards."""
         locks = _locks_of(self._modules)
-        for lock in locks:
-            lock.acquire()
+        for lock in locks:  # shared: others that find the state as it is may run
+            lock.acquire(exclusive=False)
+        if self.changes:  # exclusive: this one swaps the state
+            for lock in reversed(locks):
+                lock.release()
+            for lock in locks:
+                lock.acquire(exclusive=True)
         try:
             if not self.changes:
                 yield

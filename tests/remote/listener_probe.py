@@ -33,6 +33,13 @@ def _collect(process: "subprocess.Popen[str]", lines: List[str]) -> threading.Th
     return thread
 
 
+def _rejoined(lines: List[str]) -> bool:
+    """Whether a "joined as" line follows the "starting again" one."""
+    text = "\n".join(lines)
+    again = text.find("starting again")
+    return again >= 0 and text.find("joined as", again) >= 0
+
+
 def _wait(condition: Any, timeout: float, fleet: Any) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -72,9 +79,8 @@ def main() -> None:
                         pass
             result["a_left"] = _wait(lambda: any("starting again" in line
                                                  for line in logs["server_a"]), 60, fleet)
-            result["a_back"] = _wait(lambda: any("joined as" in line for line in
-                                                 logs["server_a"][-20:]) and
-                                     "server_a" in fleet.replicas("dur"), 90, fleet)
+            result["a_back"] = _wait(lambda: _rejoined(logs["server_a"])
+                                     and "server_a" in fleet.replicas("dur"), 120, fleet)
             servers["server_b"] = serve("server_b", port, 7, "--state-dir", state_b)
             _collect(servers["server_b"], logs["server_b"])
             started = time.monotonic()
