@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make latest`: the transformers zoo and the Ray tests on the newest releases
-# of the packages that setup.cfg's `test` extra bounds above (transformers,
+# of the packages that setup.cfg's `test` extra bounds above (cryptography, transformers,
 # accelerate, ray, and the test tools), in a venv of its own, so that a new
 # release shows up in this report rather than in a red `make test`.
 #
@@ -21,12 +21,13 @@ mkdir -p "$(dirname "$dir")"
 test -x "$dir/bin/python" || "$PYTHON" -m venv "$dir"
 pip=("$dir/bin/python" -m pip install --quiet --no-input --disable-pip-version-check)
 "${pip[@]}" torch==2.13.0
-"${pip[@]}" --upgrade numpy tqdm 'msgpack>=1.0' transformers accelerate ray pytest \
+"${pip[@]}" --upgrade numpy tqdm 'msgpack>=1.0' cryptography transformers accelerate ray pytest \
     pytest-timeout expecttest
 "$dir/bin/python" - <<'PY'
 from importlib.metadata import version
 print("latest: " + ", ".join(f"{p} {version(p)}" for p in
-                             ("torch", "transformers", "accelerate", "ray", "pytest")))
+                             ("torch", "cryptography", "transformers", "accelerate", "ray",
+                              "pytest")))
 PY
 status=0
 MOE_AUTOGRAD_ZOO=all "$dir/bin/python" -m pytest -p no:cacheprovider -q \
