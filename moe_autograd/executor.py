@@ -76,7 +76,7 @@ import torch
 
 __all__ = ["TaskGroup", "WorkerPool", "get_pool", "run_all", "CallCancelled", "check_timeout",
            "MAX_TIMEOUT_S", "release_free_memory", "is_interruption", "WORKER_THREADS",
-           "predecessors"]
+           "predecessors", "in_order"]
 
 T = TypeVar("T")
 
@@ -597,3 +597,39 @@ def predecessors(keys: Sequence[Sequence[int]]) -> List[List[int]]:
             last[key] = i
         waits.append(before)
     return waits
+
+
+def in_order(tasks: List[Callable[[], T]], waits: List[List[int]],
+             check: Optional[Callable[[int], None]] = None,
+             failed: Optional[Callable[[int, BaseException], None]] = None
+             ) -> List[Callable[[], T]]:
+    """``tasks`` (in the order they start), task ``k`` starting only once the
+    tasks ``waits[k]`` (:func:`predecessors`) have ended. ``check(k)`` runs
+    after the wait and may raise to keep task ``k`` from running;
+    ``failed(k, error)`` sees what task ``k`` (or its check) raised. A task
+    no other waits for and that waits for none is returned as it is. A
+    waiting task blocks its thread, which cannot deadlock: tasks start in
+    order, so the ones it waits for have started."""
+    if not any(waits):
+        return tasks
+    done = {j: threading.Event() for before in waits for j in before}
+
+    def ordered(k: int, task: Callable[[], T]) -> Callable[[], T]:
+        before, mine = [done[j] for j in waits[k]], done.get(k)
+
+        def run() -> T:
+            try:
+                for event in before:
+                    event.wait()
+                if check is not None:
+                    check(k)
+                return task()
+            except BaseException as error:
+                if failed is not None:
+                    failed(k, error)
+                raise
+            finally:
+                if mine is not None:
+                    mine.set()
+        return run
+    return [ordered(k, t) if waits[k] or k in done else t for k, t in enumerate(tasks)]

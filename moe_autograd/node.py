@@ -84,7 +84,7 @@ import torch
 from torch import Tensor
 
 from . import collect
-from .executor import is_interruption, on_worker, predecessors
+from .executor import in_order, is_interruption, on_worker, predecessors
 from .phony import get_phony
 from .saved import CallSaves
 from .tls import bind, capture
@@ -643,24 +643,7 @@ def _hooks_in_order(calls: Sequence[Any], tasks: List[Callable[[], Any]]
     loop's order (issue 46; before, in ``parallel`` mode, in whichever order
     the workers finished). A waiting task blocks its thread, which cannot
     deadlock: tasks start in order, so the ones it waits for have started."""
-    waits = predecessors([_hook_keys(call) for call in calls])
-    if not any(waits):
-        return tasks
-    done = {j: threading.Event() for before in waits for j in before}
-
-    def ordered(k: int, task: Callable[[], Any]) -> Callable[[], Any]:
-        before, mine = [done[j] for j in waits[k]], done.get(k)
-
-        def run() -> Any:
-            try:
-                for event in before:
-                    event.wait()
-                return task()
-            finally:
-                if mine is not None:
-                    mine.set()
-        return run
-    return [ordered(k, t) if waits[k] or k in done else t for k, t in enumerate(tasks)]
+    return in_order(tasks, predecessors([_hook_keys(call) for call in calls]))
 
 
 class _Pass:

@@ -21,7 +21,6 @@ runs its calls in a loop on the caller (see :mod:`moe_autograd.transforms`);
 :func:`start_calls` raises there. The entry points are opaque to dynamo
 (``torch.compile`` breaks the graph around them instead of tracing the pool).
 """
-import threading
 from contextlib import nullcontext
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -31,7 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from .collect import call_type, run as run_calls, submit as submit_calls
 from .dependency import fork, join
-from .executor import CallCancelled, TaskGroup, is_interruption, predecessors
+from .executor import CallCancelled, TaskGroup, in_order, is_interruption, predecessors
 from .call_streams import Ready, record_ready
 from .module_call import Expert, ModuleCall, call_inline, check_flips
 from .node import BackwardPolicy, attach
@@ -183,36 +182,21 @@ def _in_call_order(calls: Sequence[ModuleCall], tasks: List[Callable[[], ModuleC
     call whose predecessor was interrupted (:func:`is_interruption`) does
     not run, as the loop stops there."""
     waits = predecessors([call.order_keys() for call in calls])
-    if not any(waits):
-        return tasks
-    awaited = {j for before in waits for j in before}
-    done = {j: threading.Event() for j in awaited}
     stops: Dict[int, BaseException] = {}
 
-    def ordered(i: int, task: Callable[[], ModuleCall]) -> Callable[[], ModuleCall]:
-        before, mine = [done[j] for j in waits[i]], done.get(i)
+    def check(i: int) -> None:
+        stop = next((stops[j] for j in waits[i] if j in stops), None)
+        if stop is not None:
+            raise CallCancelled(f"{calls[i].name}: not run: an earlier call reaching "
+                                f"the same module raised {type(stop).__name__}")
 
-        def run() -> ModuleCall:
-            try:
-                for event in before:
-                    event.wait()
-                stop = next((stops[j] for j in waits[i] if j in stops), None)
-                if stop is not None:
-                    raise CallCancelled(f"{calls[i].name}: not run: an earlier call reaching "
-                                        f"the same module raised {type(stop).__name__}")
-                return task()
-            except BaseException as error:
-                if is_interruption(error):
-                    stops[i] = error
-                elif isinstance(error, CallCancelled) and waits[i]:
-                    stops[i] = error  # passed on to the calls after it
-                raise
-            finally:
-                if mine is not None:
-                    mine.set()
-        return run
+    def failed(i: int, error: BaseException) -> None:
+        if is_interruption(error):
+            stops[i] = error
+        elif isinstance(error, CallCancelled) and waits[i]:
+            stops[i] = error  # passed on to the calls after it
 
-    return [ordered(i, task) if waits[i] or i in done else task for i, task in enumerate(tasks)]
+    return in_order(tasks, waits, check, failed)
 
 
 def _check_lengths(name: str, n: int, inputs: Sequence[Any],

@@ -257,3 +257,24 @@ def parallel_node(output: torch.Tensor) -> Any:
             return fn
         stack.extend(f for f, _ in fn.next_functions)
     raise AssertionError("no parallel node under the output")
+
+
+def script_result(script: Any, *args: str, timeout: float = 280.0) -> Any:
+    """Runs ``script`` (a test scenario of its own processes, e.g.
+    tests/remote/peer_recovery.py) with the repository and its folder on
+    ``PYTHONPATH``; returns the JSON of its last line (asserts it exited 0,
+    with its stderr's end as the message)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(script)
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), str(script.parent),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, str(script), *args], env=env, cwd=str(root),
+                          capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -855,7 +855,7 @@ def test_a_pack_hook_that_raises_is_called_for_a_checkpointed_call(mode: str) ->
     with pytest.raises(ValueError, match="no saving today") as info:
         sum(o.sum() for o in outs).backward()
     assert any("backward: call 0 of 3" in note for note in info.value.__notes__)
-    assert len({ident for ident, _ in seen}) == 1
+    assert {ident for ident, _ in seen} == {threading.get_ident()}  # the engine's: this one
 
 
 @pytest.mark.parametrize("mode", ["inline", "lanes", "parallel"])

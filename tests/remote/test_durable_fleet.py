@@ -3,28 +3,21 @@ it is published (weights, optimizer state, steps: bit for bit), and after
 the first replica is killed with kill -9 training goes on with no step lost
 (issue 44). Runs tests/remote/peer_recovery.py (a trainer and two server
 processes of their own world on a free loopback port)."""
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import script_result
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loopback world")
 
 
 @pytest.mark.timeout(300)
 def test_a_new_replica_takes_the_live_state_and_no_step_is_lost_when_the_first_dies() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "peer_recovery.py")], env=env,
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = script_result(HERE / "peer_recovery.py")
     assert result["joined"] and result["steps_a"] == result["steps_b"] == 5, result
     assert result["b_equals_a"] and result["b_equals_reference_5"], result
     assert result["steps_b_after"] == 8 and result["b_equals_reference_8"], result

@@ -5,28 +5,21 @@ leaves cleanly and starts again from its snapshot, a new server joins, and
 the steps after are exact on both replicas. Runs
 tests/remote/listener_probe.py (a trainer and two server processes of their
 own world on a free loopback port)."""
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from helpers import script_result
+
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc, loopback")
 
 
 @pytest.mark.timeout(450)
 def test_bare_connects_to_a_members_listener_do_not_stop_joins() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE / "listener_probe.py")], env=env,
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=430)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = script_result(HERE / "listener_probe.py", timeout=430)
     assert result["probed"] > 0, result
     assert result["a_left"] and result["a_back"], result
     assert result["b_joined"], result

@@ -5,9 +5,6 @@ the state through snapshots, restores and loads; and three replicas under
 ``balance="latency"`` stay bit-equal to a local run over 100 steps with one
 killed at a random instant and a fresh one joined (tests/remote/mirror_fleet.py,
 its own world on a free loopback port)."""
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, List
@@ -15,6 +12,7 @@ from typing import Any, List
 import pytest
 import torch
 
+from helpers import script_result
 from moe_autograd.remote import ExpertServer, RemoteExpert, RemoteExpertError
 from moe_autograd.remote.lineage import DIGEST_CHARS, after, check_fence, root
 from test_durable import adam, batch, make_expert
@@ -22,7 +20,6 @@ from wiring import InProcess
 
 HERE = "here"
 HERE_DIR = Path(__file__).resolve().parent
-ROOT = HERE_DIR.parents[1]
 
 
 def _version(expert: RemoteExpert) -> List[Any]:
@@ -105,12 +102,7 @@ def test_a_fence_is_checked_before_it_is_compared() -> None:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="loopback world")
 def test_three_replicas_stay_one_expert_through_a_kill_and_a_fresh_join() -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE_DIR),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE_DIR / "mirror_fleet.py"), "11"], env=env,
-                          cwd=str(ROOT), capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = script_result(HERE_DIR / "mirror_fleet.py", "11")
     live = [w for w in ("server_a", "server_b", "server_c", "server_d") if w != result["victim"]]
     for worker in live:  # no step lost, bit-equal to the uninterrupted local run
         assert result[worker] == {"steps": 100, "equal": True}, (worker, result)
@@ -126,13 +118,7 @@ def test_with_only_its_snapshots_the_trainer_goes_on_from_the_replacement(
     on its state directory: at most the save interval (3) is lost, the
     resumed weights equal a run without the crash at that step, and the
     same FleetExpert goes on training it (tests/remote/snapshot_recovery.py)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(HERE_DIR),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(HERE_DIR / "snapshot_recovery.py"),
-                           str(tmp_path), "3"], env=env, cwd=str(ROOT), capture_output=True,
-                          text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = script_result(HERE_DIR / "snapshot_recovery.py", str(tmp_path), "3")
     assert result["resumed_at"] == 6 and result["equal_at_resume"], result  # 7 or 8 done
     assert result["steps_after"] == 9 and result["equal_after"], result
     assert result["adopted"] == 1, result
